@@ -1,0 +1,75 @@
+# Ember — every command a developer or CI needs. `make help` lists them.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PY_SYS   ?= python3
+VENV     := .venv
+PY       := $(VENV)/bin/python
+STAMP    := $(VENV)/.installed
+APT_PKGS := containerd runc containernetworking-plugins debootstrap etcd-server iproute2 \
+            iptables util-linux gcc libc6-dev cmake
+# llama.cpp is compiled by pip (≈6 min once; pip caches the wheel).
+export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+
+.PHONY: help install apt protos test test-unit lint crds crds-check cluster-build cluster-up \
+        cluster-down cluster-status demo bench e2e e2e-kind clean
+
+help: ## this list
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
+
+apt: ## Debian packages the local cluster needs (root)
+	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages: $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml
+	$(PY_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: apt $(STAMP) protos ## Python env (.venv), Debian packages, generated gRPC stubs
+
+protos: $(STAMP) ## generate the device plugin's gRPC stubs from the .proto files
+	$(PY) -m ember_runtime.deviceplugin.api.generate
+
+lint: install ## ruff + mypy
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check operator runtime tests bench
+	$(VENV)/bin/mypy operator runtime tests bench
+
+crds: install ## regenerate crds/ (and the chart's copy) from the pydantic models
+	$(PY) -m ember_operator.api.crdgen
+
+crds-check: install ## fail when the committed CRDs differ from the models
+	$(PY) -m ember_operator.api.crdgen --check
+
+cluster-build: install ## build/cache Kubernetes, kwok, helm and the local images
+	$(PY) -m tests.cluster build
+
+cluster-up: cluster-build ## start the local real cluster (control plane, kwok, kubelet node)
+	$(PY) -m tests.cluster up
+
+cluster-down: ## stop the local cluster and clean up
+	$(PY) -m tests.cluster down
+
+cluster-status: ## which cluster components run
+	$(PY) -m tests.cluster status
+
+test: install cluster-build lint crds-check ## the whole suite CI runs
+	$(VENV)/bin/pytest -p no:cacheprovider -ra
+
+test-unit: install ## tests that need no cluster
+	$(VENV)/bin/pytest -p no:cacheprovider -ra -m "not cluster and not node" --ignore=tests/smoke
+
+demo: cluster-up ## the main job: local cluster + Ember + a small model answering a request
+	$(PY) -m tests.demo
+
+bench: install cluster-build ## the benchmarks (figures printed side by side)
+	$(PY) bench/run_all.py
+
+clean: cluster-down
+	rm -rf $(VENV) build *.egg-info

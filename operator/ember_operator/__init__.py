@@ -1,0 +1,1 @@
+"""Ember operator: reconciles InferenceDeployments into serving workloads."""

@@ -1,0 +1,1 @@
+"""Ember node-side code: runtime server, engines, sensors, prewarm, device plugin."""

@@ -1,0 +1,103 @@
+"""Background processes of the local cluster: started detached, tracked by pid files."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); read its state so a crashed child counts as gone.
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+class ProcessTable:
+    """One pid file and one log file per named process under `root`."""
+
+    def __init__(self, root: Path) -> None:
+        self.pids = root / "pids"
+        self.logs = root / "logs"
+        self.pids.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def log_path(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+    def pid(self, name: str) -> int | None:
+        path = self.pids / f"{name}.pid"
+        try:
+            pid = int(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return pid if pid_alive(pid) else None
+
+    def running(self, name: str) -> bool:
+        return self.pid(name) is not None
+
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
+        existing = self.pid(name)
+        if existing is not None:
+            return existing
+        with self.log_path(name).open("ab") as log:
+            proc = subprocess.Popen(  # noqa: S603 - argv is built by this module, no shell
+                list(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,  # outlive `python -m tests.cluster up`
+            )
+        (self.pids / f"{name}.pid").write_text(str(proc.pid))
+        return proc.pid
+
+    def stop(self, name: str, grace: float = 10.0) -> None:
+        pid = self.pid(name)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+        (self.pids / f"{name}.pid").unlink(missing_ok=True)
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path(name).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float, on_fail: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}\n{on_fail}")

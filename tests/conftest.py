@@ -1,0 +1,111 @@
+"""Session fixtures for the real local cluster (see tests/cluster/).
+
+- `kube`: control plane (etcd, kube-apiserver, controller-manager, scheduler) + kwok, with a
+  client and a kubectl helper.
+- `node`: the real kubelet node (containerd + runc + CNI) — device plugins register here.
+- `fleet(n, sites=5)`: n kwok fake nodes, tainted `ember.dev/simulated=true:NoSchedule`
+  (pods opt in with `tests.cluster.fleet.SIM_TOLERATION`).
+- `namespace`: a fresh namespace per test, deleted afterwards.
+
+If the cluster cannot start, every test that needs it errors loudly; nothing is skipped.
+A cluster that was already running (`python -m tests.cluster up`) is reused and left running;
+one the session started is torn down at the end unless EMBER_KEEP_CLUSTER=1.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from kubernetes import client, config
+
+from tests.cluster.cluster import DEVICE_PLUGIN_DIR, NODE_NAME, POD_RESOURCES_SOCKET, Cluster
+from tests.cluster.fleet import ensure_fleet
+from tests.cluster.images import BASE_IMAGE
+
+
+@dataclass
+class Kube:
+    cluster: Cluster
+    kubeconfig: Path
+    api: client.ApiClient
+    _started: list[str] = field(default_factory=list)
+
+    def kubectl(self, *args: str) -> str:
+        """Run kubectl against the local cluster; raises with stderr on failure."""
+        return self.cluster.kubectl(*args)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+
+@dataclass
+class NodeHandle:
+    kube: Kube
+    name: str = NODE_NAME
+    device_plugin_dir: Path = DEVICE_PLUGIN_DIR
+    pod_resources_socket: Path = POD_RESOURCES_SOCKET
+    base_image: str = BASE_IMAGE
+
+    def restart_kubelet(self) -> None:
+        self.kube.cluster.node.restart_kubelet()
+        self.kube.cluster.node.up()
+
+
+_STARTED_BY_SESSION: dict[str, bool] = {}
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    cluster = Cluster()
+    _STARTED_BY_SESSION["cp"] = not cluster.is_up(with_node=False)
+    yield cluster
+    keep = os.environ.get("EMBER_KEEP_CLUSTER") == "1"
+    if not keep and (_STARTED_BY_SESSION.get("cp") or _STARTED_BY_SESSION.get("node")):
+        cluster.down()
+
+
+@pytest.fixture(scope="session")
+def kube(cluster: Cluster) -> Kube:
+    cluster.up(with_node=False)
+    api = config.new_client_from_config(str(cluster.kubeconfig))
+    return Kube(cluster=cluster, kubeconfig=cluster.kubeconfig, api=api)
+
+
+@pytest.fixture(scope="session")
+def node(kube: Kube) -> NodeHandle:
+    _STARTED_BY_SESSION["node"] = not kube.cluster.is_up(with_node=True)
+    kube.cluster.node.up()
+    return NodeHandle(kube=kube)
+
+
+@pytest.fixture(scope="session")
+def fleet(kube: Kube) -> Callable[..., list[str]]:
+    def make(n: int, sites: int = 5) -> list[str]:
+        return ensure_fleet(kube.api, n, sites)
+
+    return make
+
+
+@pytest.fixture
+def namespace(kube: Kube) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kube.core.create_namespace({"metadata": {"name": name}})
+    yield name
+    kube.core.delete_namespace(name, grace_period_seconds=0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Iterator[None]:
+    report = yield
+    # On failure of a cluster test, attach the components' log tails: the first thing to read.
+    if report.failed and "kube" in getattr(item, "fixturenames", ()):
+        report.sections.append(("cluster logs", Cluster().diagnostics()))
+    return report

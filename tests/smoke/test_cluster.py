@@ -1,0 +1,236 @@
+"""Smoke tests of the local real cluster: the parts every other suite stands on."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client, watch
+
+from tests.cluster.fleet import SIM_TOLERATION
+from tests.conftest import Kube, NodeHandle
+
+WIDGET_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "widgets.smoke.ember.dev"},
+    "spec": {
+        "group": "smoke.ember.dev",
+        "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+        "scope": "Namespaced",
+        "versions": [{
+            "name": "v1", "served": True, "storage": True,
+            "subresources": {"status": {}},
+            "schema": {"openAPIV3Schema": {
+                "type": "object",
+                "properties": {
+                    "spec": {"type": "object", "properties": {"size": {"type": "integer"}}},
+                    "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                },
+            }},
+        }],
+    },
+}
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def crd_established(kube: Kube, name: str) -> bool:
+    crd = client.ApiextensionsV1Api(kube.api).read_custom_resource_definition(name)
+    conds = crd.status.conditions or []
+    return any(c.type == "Established" and c.status == "True" for c in conds)
+
+
+@pytest.fixture(scope="module")
+def widget_crd(kube: Kube) -> str:
+    ext = client.ApiextensionsV1Api(kube.api)
+    try:
+        ext.create_custom_resource_definition(WIDGET_CRD)
+    except client.ApiException as exc:
+        assert exc.status == 409
+    wait_until("Widget CRD Established", lambda: crd_established(kube, "widgets.smoke.ember.dev"))
+    return "widgets.smoke.ember.dev"
+
+
+def test_crd_becomes_established(widget_crd: str, kube: Kube) -> None:
+    assert crd_established(kube, widget_crd)
+    assert "widgets" in kube.kubectl("api-resources", "--api-group=smoke.ember.dev")
+
+
+OPERATOR = '''
+import kopf
+
+@kopf.on.startup()
+def configure(settings, **_):
+    settings.persistence.finalizer = "smoke.ember.dev/finalizer"
+    settings.posting.enabled = False
+
+@kopf.on.create("smoke.ember.dev", "v1", "widgets")
+def created(spec, patch, **_):
+    patch.status["doubled"] = spec.get("size", 0) * 2
+'''
+
+
+def test_kopf_operator_round_trip(widget_crd: str, kube: Kube, namespace: str, tmp_path: Any) -> None:
+    from kopf.testing import KopfRunner
+
+    script = tmp_path / "op.py"
+    script.write_text(OPERATOR)
+    custom = client.CustomObjectsApi(kube.api)
+    body = {"apiVersion": "smoke.ember.dev/v1", "kind": "Widget",
+            "metadata": {"name": "w1"}, "spec": {"size": 21}}
+    args = ["run", "--standalone", f"--namespace={namespace}", str(script)]
+    with KopfRunner(args, env={"KUBECONFIG": str(kube.kubeconfig)}) as runner:
+        custom.create_namespaced_custom_object("smoke.ember.dev", "v1", namespace, "widgets", body)
+
+        def doubled() -> bool:
+            obj = custom.get_namespaced_custom_object(
+                "smoke.ember.dev", "v1", namespace, "widgets", "w1")
+            return obj.get("status", {}).get("created", {}) is not None and \
+                obj.get("status", {}).get("doubled") == 42
+
+        wait_until("the operator to patch status.doubled", doubled, timeout=30)
+        custom.delete_namespaced_custom_object("smoke.ember.dev", "v1", namespace, "widgets", "w1")
+        wait_until("the finalizer to release the object", lambda: not custom.list_namespaced_custom_object(
+            "smoke.ember.dev", "v1", namespace, "widgets")["items"], timeout=30)
+    assert runner.exit_code == 0, runner.output
+    assert runner.exception is None
+    assert "Traceback" not in runner.output
+
+
+def pod_phase(kube: Kube, namespace: str, name: str) -> str:
+    return str(kube.core.read_namespaced_pod(name, namespace).status.phase)
+
+
+def test_pod_runs_to_completion_on_real_node(node: NodeHandle, kube: Kube, namespace: str) -> None:
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hello"},
+        "spec": {
+            "nodeName": node.name, "restartPolicy": "Never",
+            "containers": [{
+                "name": "main", "image": node.base_image, "imagePullPolicy": "Never",
+                "command": ["python3", "-c", "import platform; print('hello from', platform.python_version())"],
+            }],
+        },
+    }
+    kube.core.create_namespaced_pod(namespace, pod)
+    wait_until("pod hello Succeeded", lambda: pod_phase(kube, namespace, "hello") == "Succeeded", 90)
+    logs = kube.core.read_namespaced_pod_log("hello", namespace)
+    assert logs.startswith("hello from 3.")
+
+
+SIDECAR = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+    "print('sidecar up', flush=True)\n"
+    "while True: time.sleep(1)\n"
+)
+
+
+MAIN = SIDECAR.replace("'sidecar up'", "open('/work/ready').read()")
+
+
+def test_init_and_native_sidecar(node: NodeHandle, kube: Kube, namespace: str) -> None:
+    image = {"image": node.base_image, "imagePullPolicy": "Never"}
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sidecar"},
+        "spec": {
+            "nodeName": node.name, "terminationGracePeriodSeconds": 30,
+            "initContainers": [
+                {"name": "init", **image, "command": ["sh", "-c", "echo prepared > /work/ready"],
+                 "volumeMounts": [{"name": "work", "mountPath": "/work"}]},
+                {"name": "side", **image, "restartPolicy": "Always",
+                 "command": ["python3", "-c", SIDECAR]},
+            ],
+            "containers": [{
+                "name": "main", **image, "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+                "command": ["python3", "-c", MAIN],
+            }],
+            "volumes": [{"name": "work", "emptyDir": {"medium": "Memory"}}],
+        },
+    }
+    kube.core.create_namespaced_pod(namespace, pod)
+
+    def all_running() -> bool:
+        status = kube.core.read_namespaced_pod("sidecar", namespace).status
+        states = (status.init_container_statuses or []) + (status.container_statuses or [])
+        running = {s.name for s in states if s.state and s.state.running}
+        return running >= {"side", "main"}
+
+    wait_until("sidecar and main running", all_running, 90)
+    assert "prepared" in kube.core.read_namespaced_pod_log("sidecar", namespace, container="main")
+    assert "sidecar up" in kube.core.read_namespaced_pod_log("sidecar", namespace, container="side")
+    # Both handle SIGTERM, so deletion completes well inside the 30 s grace period.
+    start = time.monotonic()
+    kube.core.delete_namespaced_pod("sidecar", namespace)
+
+    def gone() -> bool:
+        try:
+            kube.core.read_namespaced_pod("sidecar", namespace)
+        except client.ApiException as exc:
+            return exc.status == 404
+        return False
+
+    wait_until("pod deletion", gone, 60)
+    assert time.monotonic() - start < 20
+
+
+def test_device_plugin_socket_exists(node: NodeHandle) -> None:
+    assert (node.device_plugin_dir / "kubelet.sock").is_socket()
+    assert node.pod_resources_socket.is_socket()
+
+
+def test_fleet_of_200_nodes_takes_a_200_replica_deployment(
+    fleet: Callable[..., list[str]], kube: Kube, namespace: str
+) -> None:
+    names = fleet(200)
+    assert len(names) == 200
+
+    def ready_nodes() -> int:
+        nodes = kube.core.list_node(label_selector="ember.dev/fleet=true").items
+        return sum(
+            any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))
+            for n in nodes
+        )
+
+    wait_until("200 kwok nodes Ready", lambda: ready_nodes() >= 200, 120)
+    deployment = yaml.safe_load(f"""
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: spread}}
+spec:
+  replicas: 200
+  selector: {{matchLabels: {{app: spread}}}}
+  template:
+    metadata: {{labels: {{app: spread}}}}
+    spec:
+      tolerations: [{{key: {SIM_TOLERATION['key']}, operator: Equal, value: "true", effect: NoSchedule}}]
+      nodeSelector: {{ember.dev/fleet: "true"}}
+      topologySpreadConstraints:
+      - {{maxSkew: 1, topologyKey: kubernetes.io/hostname, whenUnsatisfiable: DoNotSchedule,
+         labelSelector: {{matchLabels: {{app: spread}}}}}}
+      containers: [{{name: c, image: fake, resources: {{requests: {{cpu: 10m}}}}}}]
+""")
+    client.AppsV1Api(kube.api).create_namespaced_deployment(namespace, deployment)
+
+    def ready_replicas() -> int:
+        dep = client.AppsV1Api(kube.api).read_namespaced_deployment("spread", namespace)
+        return int(dep.status.ready_replicas or 0)
+
+    wait_until("200 replicas Ready", lambda: ready_replicas() == 200, 180)
+    pods = kube.core.list_namespaced_pod(namespace, label_selector="app=spread").items
+    per_node = Counter(p.spec.node_name for p in pods)
+    assert len(per_node) == 200, per_node.most_common(3)
+    assert all(name.startswith("kwok-") for name in per_node)
