@@ -1,0 +1,22 @@
+# Ember NPU device plugin image (DaemonSet). Build from the repository root:
+#   docker build -f images/deviceplugin.Dockerfile -t ember/deviceplugin .
+ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
+
+FROM ${BASE_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+RUN python3 -m venv /opt/ember
+COPY pyproject.toml README.md /src/
+COPY operator /src/operator
+COPY runtime /src/runtime
+# The gRPC stubs are generated at build time from the .proto files, never committed.
+RUN /opt/ember/bin/pip install grpcio-tools==1.85.* mypy-protobuf==5.1.* \
+ && cd /src && /opt/ember/bin/python -m ember_runtime.deviceplugin.api.generate \
+ && /opt/ember/bin/pip install /src \
+ && /opt/ember/bin/pip uninstall -y grpcio-tools mypy-protobuf
+
+FROM ${BASE_IMAGE}
+COPY --from=build /opt/ember /opt/ember
+ENV PATH=/opt/ember/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# The kubelet's device-plugins dir is root-owned: the DaemonSet runs this as root with every
+# capability dropped, no privilege escalation and a read-only root filesystem.
+ENTRYPOINT ["python3", "-m", "ember_runtime.deviceplugin"]

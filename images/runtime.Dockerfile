@@ -1,0 +1,29 @@
+# Ember runtime image: the prewarm init container and the token-serving sidecar.
+#   docker build -f images/runtime.Dockerfile -t ember/runtime .
+# llama.cpp is compiled for the target architecture without -march=native, so the image runs on
+# every CPU of that architecture. LLAMA_CMAKE_ARGS picks the instruction set baseline:
+#   x86-64 (default): AVX2/FMA/F16C, what every x86 edge server of the last decade has.
+#   arm64 (Jetson Orin, RK3588): --build-arg LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16"
+#   and build with `docker buildx build --platform linux/arm64` (emulated or on an arm64 builder).
+ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
+
+FROM ${BASE_IMAGE} AS build
+ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 CMAKE_BUILD_PARALLEL_LEVEL=2
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc g++ make cmake \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/ember
+# Its own layer: the llama.cpp compile (minutes) is cached while Ember's code changes.
+RUN CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" /opt/ember/bin/pip install llama-cpp-python==0.3.36
+COPY pyproject.toml README.md /src/
+COPY operator /src/operator
+COPY runtime /src/runtime
+RUN /opt/ember/bin/pip install '/src[runtime]'
+
+FROM ${BASE_IMAGE}
+COPY --from=build /opt/ember /opt/ember
+ENV PATH=/opt/ember/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+USER 65532:65532
+EXPOSE 8080
+ENTRYPOINT ["python3", "-m", "ember_runtime.server"]

@@ -1,0 +1,364 @@
+"""ACL context IDs: issued atomically, unique among live allocations, checkpointed.
+
+Every Allocate gets one context ID per physical NPU it touches. An ID stays live until
+PodResources shows that the container holding it is gone (see `reconcile`), and the live set is
+checkpointed (temp file, fsync, rename, fsync dir) *before* Allocate answers, so a plugin that is
+SIGKILLed and restarted never re-issues a live ID. IDs are issued round-robin from a cursor that
+is checkpointed too, so a released ID is reused as late as possible.
+
+With a node ordinal, IDs are `ordinal * id_space + n`: disjoint ranges, unique across the fleet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .discovery import parse_unit_id
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 1
+
+
+class AllocationError(Exception):
+    """A request the allocator refuses (bad input); maps to INVALID_ARGUMENT."""
+
+
+class ExhaustedError(AllocationError):
+    """Every context ID is live; maps to RESOURCE_EXHAUSTED."""
+
+
+class CheckpointError(Exception):
+    """The checkpoint exists but cannot be trusted; starting empty could re-issue live IDs."""
+
+
+@dataclass
+class Allocation:
+    """The context IDs handed to one container, and what we know about its owner."""
+
+    contexts: dict[str, int]  # device name -> global context ID
+    units: list[str]  # the kubelet unit IDs of the container request
+    created_at: float  # wall clock: it must mean the same after a restart
+    owner: str | None = None  # "namespace/pod/container" once PodResources has shown it
+
+    @property
+    def unit_set(self) -> frozenset[str]:
+        return frozenset(self.units)
+
+
+@dataclass
+class _State:
+    cursor: int = 0
+    allocations: list[Allocation] = field(default_factory=list)
+
+
+class Checkpoint:
+    """The allocator's state on disk, with a checksum; written atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> _State:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return _State()
+        try:
+            header_line, _, body = raw.partition(b"\n")
+            header = json.loads(header_line)
+            if header.get("version") != CHECKPOINT_VERSION:
+                raise CheckpointError(f"unsupported checkpoint version {header.get('version')!r}")
+            if header.get("checksum") != hashlib.sha256(body).hexdigest():
+                raise CheckpointError("checksum mismatch")
+            data = json.loads(body)
+            allocations = [Allocation(**a) for a in data["allocations"]]
+            return _State(cursor=int(data["cursor"]), allocations=allocations)
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint {self.path} is not usable: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"checkpoint {self.path} is corrupt: {exc!r}") from exc
+
+    def save(self, state: _State) -> None:
+        # Two lines: a header with the checksum of the body, then the body. Plain dicts rather
+        # than dataclasses.asdict: this runs on every Allocate and asdict deep-copies.
+        body = json.dumps(
+            {
+                "cursor": state.cursor,
+                "allocations": [
+                    {
+                        "contexts": a.contexts,
+                        "units": a.units,
+                        "created_at": a.created_at,
+                        "owner": a.owner,
+                    }
+                    for a in state.allocations
+                ],
+            },
+            separators=(",", ":"),
+        ).encode()
+        header = {"version": CHECKPOINT_VERSION, "checksum": hashlib.sha256(body).hexdigest()}
+        payload = json.dumps(header).encode() + b"\n" + body
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+
+    def read_live(self) -> list[dict[str, Any]]:
+        """The allocations as stored (for tools and tests), after checking the checksum."""
+        return [
+            {"contexts": a.contexts, "units": a.units, "owner": a.owner}
+            for a in self.load().allocations
+        ]
+
+
+class ContextAllocator:
+    """Thread-safe issuer of context IDs backed by a `Checkpoint`."""
+
+    def __init__(self, checkpoint: Checkpoint, id_space: int, node_ordinal: int | None) -> None:
+        self._checkpoint = checkpoint
+        self._id_space = id_space
+        self._base = (node_ordinal or 0) * id_space
+        self._lock = threading.Lock()
+        self._state = checkpoint.load()
+        self._live = {cid for a in self._state.allocations for cid in a.contexts.values()}
+
+    @property
+    def id_range(self) -> range:
+        return range(self._base, self._base + self._id_space)
+
+    def live(self) -> list[Allocation]:
+        with self._lock:
+            return list(self._state.allocations)
+
+    def live_ids(self) -> set[int]:
+        with self._lock:
+            return set(self._live)
+
+    def used_by_device(self) -> dict[str, int]:
+        with self._lock:
+            used: dict[str, int] = defaultdict(int)
+            for alloc in self._state.allocations:
+                for device in alloc.contexts:
+                    used[device] += 1
+            return dict(used)
+
+    def allocate(self, requests: Sequence[Sequence[str]]) -> list[Allocation]:
+        """Issue context IDs for each container request (a list of unit IDs), all or nothing.
+
+        The checkpoint is on disk before this returns; if writing it fails nothing is issued.
+        """
+        result = self.allocate_batch([requests])[0]
+        if isinstance(result, AllocationError):
+            raise result
+        return result
+
+    def allocate_batch(
+        self, batch: Sequence[Sequence[Sequence[str]]]
+    ) -> list[list[Allocation] | AllocationError]:
+        """`allocate` for several Allocate calls under one checkpoint write (group commit).
+
+        Each call is all or nothing on its own; a refused call gets its error in its slot.
+        """
+        with self._lock:
+            cursor = self._state.cursor
+            taken: set[int] = set()
+            issued: list[Allocation] = []
+            results: list[list[Allocation] | AllocationError] = []
+            for requests in batch:
+                try:
+                    allocs, cursor = self._issue(requests, cursor, taken)
+                except AllocationError as exc:
+                    results.append(exc)
+                    continue
+                issued += allocs
+                results.append(allocs)
+                taken |= {cid for a in allocs for cid in a.contexts.values()}
+            if issued:
+                saved = _State(cursor, [*self._state.allocations, *issued])
+                self._checkpoint.save(saved)
+                self._state = saved
+                self._live |= taken
+        return results
+
+    def _issue(
+        self, requests: Sequence[Sequence[str]], cursor: int, taken: set[int]
+    ) -> tuple[list[Allocation], int]:
+        plans = [_devices_of(units) for units in requests]
+        if not plans:
+            raise AllocationError("AllocateRequest has no container requests")
+        mine: set[int] = set()
+        allocs = []
+        for units, devices in zip(requests, plans, strict=True):
+            contexts = {}
+            for device in devices:
+                cid, cursor = self._next_free(cursor, taken | mine)
+                mine.add(cid)
+                contexts[device] = cid
+            allocs.append(Allocation(contexts, list(units), time.time()))
+        return allocs, cursor
+
+    def _next_free(self, cursor: int, taken: set[int]) -> tuple[int, int]:
+        for step in range(self._id_space):
+            n = (cursor + step) % self._id_space
+            cid = self._base + n
+            if cid not in self._live and cid not in taken:
+                return cid, (n + 1) % self._id_space
+        raise ExhaustedError(
+            f"all {self._id_space} context IDs of this node are held by live allocations; "
+            "they are released once PodResources shows their containers gone"
+        )
+
+    def reconcile(
+        self, owners: Mapping[str, frozenset[str]], grace: float, listed_at: float | None = None
+    ) -> list[Allocation]:
+        """Release allocations whose containers are gone; return them.
+
+        `owners` maps "namespace/pod/container" to the unit IDs PodResources reports for it.
+        An allocation is bound to the container whose units cover its own the first time one
+        shows up; it is released when that container disappears or no longer holds its units.
+        One never seen is released when a newer allocation took all its units (superseded), or
+        after `grace` seconds (the kubelet records the assignment only after Allocate returns,
+        so a fresh allocation is not visible yet).
+
+        `listed_at` is when the PodResources List was sent: only an allocation made before it
+        may be bound, because an older snapshot can still show the unit's previous holder.
+        """
+        now = time.time()
+        listed_at = now if listed_at is None else listed_at
+        with self._lock:
+            keep, released = _partition(self._state.allocations, owners, now, grace, listed_at)
+            if not released and keep == self._state.allocations:
+                return []
+            saved = _State(self._state.cursor, keep)
+            self._checkpoint.save(saved)
+            self._state = saved
+            self._live = {cid for a in keep for cid in a.contexts.values()}
+        for alloc in released:
+            log.info("released contexts %s of %s", alloc.contexts, alloc.owner or alloc.units)
+        return released
+
+
+def _devices_of(units: Sequence[str]) -> list[str]:
+    if not units:
+        raise AllocationError("a container request must name at least one device ID")
+    if len(set(units)) != len(units):
+        raise AllocationError(f"duplicate device IDs in request: {list(units)}")
+    devices: list[str] = []
+    for unit in units:
+        try:
+            device, _ = parse_unit_id(unit)
+        except ValueError as exc:
+            raise AllocationError(str(exc)) from exc
+        if device not in devices:
+            devices.append(device)
+    return devices
+
+
+def _partition(
+    allocations: Sequence[Allocation],
+    owners: Mapping[str, frozenset[str]],
+    now: float,
+    grace: float,
+    listed_at: float,
+) -> tuple[list[Allocation], list[Allocation]]:
+    keep: list[Allocation] = []
+    released: list[Allocation] = []
+    claimed: set[str] = set()
+    newer_units: set[str] = set()
+    # Newest first (the list is in issue order; wall clocks can jump). The kubelet hands a unit
+    # out again only once the container holding it is gone, so an allocation whose units were
+    # all allocated again later is superseded, bound or not.
+    for alloc in reversed(allocations):
+        superseded = alloc.unit_set <= newer_units
+        newer_units |= alloc.unit_set
+        if superseded:
+            released.append(alloc)
+        elif alloc.owner is not None:
+            if alloc.unit_set <= owners.get(alloc.owner, frozenset()):
+                keep.append(alloc)
+                claimed.add(alloc.owner)
+            else:
+                released.append(alloc)
+        else:
+            owner = _owner_of(alloc, owners, claimed) if alloc.created_at < listed_at else None
+            if owner is not None:
+                keep.append(Allocation(alloc.contexts, alloc.units, alloc.created_at, owner))
+                claimed.add(owner)
+            elif now - alloc.created_at < grace:
+                keep.append(alloc)
+            else:
+                released.append(alloc)
+    keep.reverse()
+    return keep, released
+
+
+def _owner_of(
+    alloc: Allocation, owners: Mapping[str, frozenset[str]], claimed: set[str]
+) -> str | None:
+    return next(
+        (o for o, units in owners.items() if o not in claimed and alloc.unit_set <= units), None
+    )
+
+
+def preferred_units(available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+    """Choose `size` units from `available` for GetPreferredAllocation.
+
+    Units of devices already in `must_include` come first (fewer devices per container); then
+    whole devices in order of most free units, so a single unit lands on the least busy NPU and
+    a multi-unit request spans as few NPUs as possible.
+    """
+    if size <= 0:
+        raise AllocationError(f"allocation size must be positive, got {size}")
+    pool = list(dict.fromkeys(available))
+    missing = [u for u in must_include if u not in pool]
+    if missing:
+        raise AllocationError(f"must-include device IDs are not available: {missing}")
+    if size > len(pool):
+        raise AllocationError(f"{size} units requested but only {len(pool)} available")
+    if len(must_include) > size:
+        raise AllocationError("more must-include device IDs than the allocation size")
+    free: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for unit in pool:
+        try:
+            device, slot = parse_unit_id(unit)
+        except ValueError as exc:
+            raise AllocationError(str(exc)) from exc
+        if unit not in must_include:
+            free[device].append((slot, unit))
+    chosen = list(dict.fromkeys(must_include))
+    anchored = {parse_unit_id(u)[0] for u in chosen}
+    order = sorted(free, key=lambda d: (d not in anchored, -len(free[d]), _natural(d)))
+    for device in order:
+        for _, unit in sorted(free[device]):
+            if len(chosen) == size:
+                return chosen
+            chosen.append(unit)
+    return chosen
+
+
+def _natural(name: str) -> tuple[int, str]:
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return (int(digits) if digits else -1, name)

@@ -1,0 +1,136 @@
+"""Allocator and preferred-allocation logic, without gRPC."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ember_runtime.deviceplugin.allocator import (
+    AllocationError,
+    Checkpoint,
+    CheckpointError,
+    ContextAllocator,
+    ExhaustedError,
+    preferred_units,
+)
+
+
+def test_checkpoint_round_trip_and_cursor(tmp_path: Path) -> None:
+    cp = Checkpoint(tmp_path / "a.json")
+    alloc = ContextAllocator(cp, id_space=10, node_ordinal=None)
+    first = alloc.allocate([["davinci0-ctx0"], ["davinci0-ctx1", "davinci1-ctx0"]])
+    assert [a.contexts for a in first] == [{"davinci0": 0}, {"davinci0": 1, "davinci1": 2}]
+    alloc.reconcile({}, grace=0)  # all gone
+    again = ContextAllocator(cp, id_space=10, node_ordinal=None)
+    # The cursor survives: released IDs come back last, not first.
+    assert again.allocate([["davinci0-ctx0"]])[0].contexts == {"davinci0": 3}
+    assert not list(tmp_path.glob(".a.json.*"))  # no temp files left behind
+
+
+def test_threads_never_share_an_id(tmp_path: Path) -> None:
+    alloc = ContextAllocator(Checkpoint(tmp_path / "a.json"), id_space=1000, node_ordinal=None)
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def worker(n: int) -> None:
+        for i in range(20):
+            (a,) = alloc.allocate([[f"davinci{n}-ctx{i}"]])
+            with lock:
+                got.extend(a.contexts.values())
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 160 and len(set(got)) == 160
+
+
+def test_failed_checkpoint_write_issues_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    alloc = ContextAllocator(Checkpoint(state / "a.json"), id_space=4, node_ordinal=None)
+    state.write_text("")  # the checkpoint's directory is now a file: every save fails
+    with pytest.raises(OSError):
+        alloc.allocate([["davinci0-ctx0"]])
+    assert alloc.live_ids() == set()
+
+
+def test_exhaustion_and_bad_checkpoint(tmp_path: Path) -> None:
+    alloc = ContextAllocator(Checkpoint(tmp_path / "a.json"), id_space=1, node_ordinal=None)
+    alloc.allocate([["davinci0-ctx0"]])
+    with pytest.raises(ExhaustedError):
+        alloc.allocate([["davinci0-ctx1"]])
+    (tmp_path / "b.json").write_text("{not json")
+    with pytest.raises(CheckpointError):
+        ContextAllocator(Checkpoint(tmp_path / "b.json"), id_space=1, node_ordinal=None)
+
+
+def test_reconcile_binds_and_releases_by_owner(tmp_path: Path) -> None:
+    alloc = ContextAllocator(Checkpoint(tmp_path / "a.json"), id_space=10, node_ordinal=None)
+    alloc.allocate([["davinci0-ctx0"], ["davinci0-ctx1"]])
+    owners = {"ns/a/c": frozenset({"davinci0-ctx0"}), "ns/b/c": frozenset({"davinci0-ctx1"})}
+    assert alloc.reconcile(owners, grace=0) == []
+    assert {a.owner for a in alloc.live()} == {"ns/a/c", "ns/b/c"}
+    # Pod a is gone and its unit was handed to pod x: a's ID is released, not inherited.
+    owners = {"ns/x/c": frozenset({"davinci0-ctx0"}), "ns/b/c": frozenset({"davinci0-ctx1"})}
+    released = alloc.reconcile(owners, grace=1000)
+    assert [r.owner for r in released] == ["ns/a/c"]
+    assert alloc.live_ids() == {1}
+
+
+@pytest.mark.parametrize(
+    ("available", "must", "size", "expected"),
+    [
+        (["davinci0-ctx0", "davinci1-ctx0", "davinci1-ctx1"], [], 1, ["davinci1-ctx0"]),
+        (
+            ["davinci0-ctx0", "davinci0-ctx1", "davinci1-ctx0", "davinci2-ctx0", "davinci2-ctx1"],
+            [],
+            4,
+            ["davinci0-ctx0", "davinci0-ctx1", "davinci2-ctx0", "davinci2-ctx1"],
+        ),
+        (
+            ["davinci0-ctx0", "davinci1-ctx0", "davinci1-ctx1", "davinci1-ctx2", "davinci1-ctx3"],
+            ["davinci0-ctx0"],
+            2,
+            ["davinci0-ctx0", "davinci1-ctx0"],
+        ),
+    ],
+)
+def test_preferred_units(
+    available: list[str], must: list[str], size: int, expected: list[str]
+) -> None:
+    assert preferred_units(available, must, size) == expected
+
+
+@pytest.mark.parametrize(
+    ("available", "must", "size"),
+    [(["davinci0-ctx0"], [], 2), (["davinci0-ctx0"], ["davinci1-ctx0"], 1), (["x"], [], 1)],
+)
+def test_preferred_units_rejects(available: list[str], must: list[str], size: int) -> None:
+    with pytest.raises(AllocationError):
+        preferred_units(available, must, size)
+
+
+def test_superseded_unseen_allocation_released_without_waiting(tmp_path: Path) -> None:
+    alloc = ContextAllocator(Checkpoint(tmp_path / "a.json"), id_space=10, node_ordinal=None)
+    alloc.allocate([["davinci0-ctx0"]])  # pod deleted before PodResources ever showed it
+    alloc.allocate([["davinci0-ctx1"]])
+    alloc.allocate([["davinci0-ctx0"]])  # the kubelet reassigned the unit: the first is gone
+    released = alloc.reconcile({}, grace=1000)
+    assert [r.contexts for r in released] == [{"davinci0": 0}]
+    assert alloc.live_ids() == {1, 2}
+
+
+def test_stale_snapshot_never_binds_to_the_previous_holder(tmp_path: Path) -> None:
+    alloc = ContextAllocator(Checkpoint(tmp_path / "a.json"), id_space=10, node_ordinal=None)
+    alloc.allocate([["davinci0-ctx0"]])
+    alloc.reconcile({"ns/old/c": frozenset({"davinci0-ctx0"})}, grace=1000)
+    listed_at = time.time()  # a List sent now, answered after the kubelet moved the unit...
+    alloc.allocate([["davinci0-ctx0"]])  # ...to a new pod, whose Allocate lands in between
+    alloc.reconcile({"ns/old/c": frozenset({"davinci0-ctx0"})}, grace=1000, listed_at=listed_at)
+    (live,) = alloc.live()
+    assert live.contexts == {"davinci0": 1} and live.owner is None  # not bound to ns/old/c
+    alloc.reconcile({"ns/new/c": frozenset({"davinci0-ctx0"})}, grace=1000)
+    assert [a.owner for a in alloc.live()] == ["ns/new/c"]
