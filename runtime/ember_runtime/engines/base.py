@@ -1,0 +1,134 @@
+"""The engine interface the HTTP server talks to, whatever runs the model underneath.
+
+An engine owns scheduling: requests are submitted as token ids with sampling parameters and come
+back as an async stream of text deltas. The server never touches the model directly, so the
+llama.cpp engine (continuous batching on CPU) and the TensorRT-LLM adapter are interchangeable.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class EngineError(Exception):
+    """An engine failure that is not the client's fault (HTTP 500)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine cannot start here (missing library, GPU or model file)."""
+
+
+class QueueFullError(EngineError):
+    """The admission queue is full; the client should retry later (HTTP 429)."""
+
+    def __init__(self, depth: int, retry_after_seconds: int = 1) -> None:
+        super().__init__(f"the server is busy: {depth} requests are already waiting")
+        self.retry_after_seconds = retry_after_seconds
+
+
+class EngineStoppingError(EngineError):
+    """The engine is draining for shutdown and takes no new work (HTTP 503)."""
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens or the context is full
+    CANCELLED = "cancelled"  # the client went away or the request timed out
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One step's output for one request: new text, tokens consumed, and maybe the end."""
+
+    text: str
+    n_tokens: int
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@runtime_checkable
+class GenerationStream(Protocol):
+    """What `Engine.submit` returns: an async iterator of deltas that can be cancelled."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+    def cancel(self) -> None:
+        """Stop generating and free the sequence's slot; safe to call more than once."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    max_batch_size: int  # current limit on sequences decoded per step (admin-settable)
+    capacity: int  # the most the engine can ever run at once (context sized for it)
+    active: int  # sequences in the running batch
+    queued: int  # admitted requests waiting for a slot
+    last_step_sequences: int  # sequences decoded in the last step
+    steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    seconds: float
+    sequences: int
+    prompt_tokens: int
+
+
+StepObserver = Callable[[StepStats], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    name: str
+    model_id: str
+    context_length: int  # per sequence
+    vocab_size: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    async def start(self) -> None:
+        """Load the model and warm up; raises EngineUnavailableError with a clear message."""
+
+    async def stop(self) -> None:
+        """Stop the scheduler and free the model. In-flight streams end with CANCELLED."""
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+
+    def render_chat(self, messages: list[ChatMessage]) -> str:
+        """Apply the model's own chat template, ending with the assistant's turn opened."""
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> GenerationStream:
+        """Queue a request; raises QueueFullError or EngineStoppingError at once."""
+
+    def set_max_batch_size(self, n: int) -> None:
+        """Takes effect at the next scheduling step; raises ValueError if out of range."""
+
+    def state(self) -> EngineState: ...

@@ -1,0 +1,604 @@
+"""Continuous batching over llama.cpp's low-level API (llama-cpp-python's ctypes bindings).
+
+One context holds `capacity` sequences, each with its own `seq_id` and its own KV stream
+(`kv_unified=False`: attention per sequence, so a sequence's numbers do not depend on its
+neighbours). A single thread runs the decode loop: every step packs one token per generating
+sequence plus chunks of newly admitted prompts into one `llama_batch`, calls `llama_decode` once,
+samples each sequence and hands the deltas to the event loop in one `call_soon_threadsafe`.
+ctypes releases the GIL during `llama_decode`, so the event loop keeps serving while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ember_runtime.engines.base import (
+    ChatMessage,
+    Delta,
+    EngineError,
+    EngineInfo,
+    EngineState,
+    EngineStoppingError,
+    EngineUnavailableError,
+    FinishReason,
+    QueueFullError,
+    SamplingParams,
+    StepObserver,
+    StepStats,
+)
+from ember_runtime.engines.chat import render_template
+from ember_runtime.engines.text import TextAssembler
+
+log = logging.getLogger(__name__)
+
+# llama.cpp logs every tensor at load time; keep warnings and errors only. The callback must
+# outlive the library, hence a module-level reference.
+_GGML_LEVELS = {3: logging.WARNING, 4: logging.ERROR}  # ggml: 1 debug, 2 info, 3 warn, 4 error
+_log_callback: Any = None
+
+
+def _install_log_callback(llama: Any) -> None:
+    global _log_callback  # noqa: PLW0603 - one process-wide C callback, set once
+    if _log_callback is not None:
+        return
+    native = logging.getLogger("llama.cpp")
+
+    def forward(level: int, text: bytes, _user: Any) -> None:
+        py_level = _GGML_LEVELS.get(level)
+        if py_level is not None:
+            native.log(py_level, text.decode("utf-8", "replace").rstrip())
+
+    _log_callback = llama.llama_log_callback(forward)
+    llama.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
+class _Stream:
+    """The event-loop side of one request: a queue of deltas and a cancel flag."""
+
+    __slots__ = ("_engine", "_prompt_tokens", "_queue", "cancelled")
+
+    def __init__(self, engine: LlamaCppEngine, prompt_tokens: int) -> None:
+        self._engine = engine
+        self._prompt_tokens = prompt_tokens
+        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.cancelled = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._prompt_tokens
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        while True:
+            delta = await self._queue.get()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            self.cancelled = True
+            self._engine._wake()
+
+    def put(self, delta: Delta) -> None:
+        self._queue.put_nowait(delta)
+
+
+class _Sequence:
+    """The decode-thread side of one request."""
+
+    __slots__ = (
+        "generated",
+        "last_token",
+        "params",
+        "prefilled",
+        "prompt",
+        "sampler",
+        "seq_id",
+        "stream",
+        "text",
+    )
+
+    def __init__(self, stream: _Stream, prompt: list[int], params: SamplingParams) -> None:
+        self.stream = stream
+        self.prompt = prompt
+        self.params = params
+        self.text = TextAssembler(params.stop)
+        self.seq_id = -1
+        self.prefilled = 0  # prompt tokens already submitted
+        self.generated = 0
+        self.last_token = -1
+        self.sampler: Any = None
+
+
+class LlamaCppEngine:
+    """The `Engine` for GGUF models on CPU through llama.cpp."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        context_length: int,
+        capacity: int,
+        threads: int,
+        max_queue: int,
+        model_id: str | None = None,
+        batch_tokens: int = 512,
+        prefix_cache: bool = False,
+        repack: bool = False,
+        observer: StepObserver | None = None,
+    ) -> None:
+        if not 1 <= capacity <= 256:
+            raise ValueError(f"capacity must be within 1..256, got {capacity}")
+        self.info = EngineInfo(
+            name="llamacpp",
+            model_id=model_id or model_path.stem,
+            context_length=context_length,
+        )
+        self._path = model_path
+        self._capacity = capacity
+        self._threads = threads
+        self._max_queue = max_queue
+        self._batch_tokens = max(batch_tokens, capacity)
+        self._observer = observer
+        self._max_batch = capacity
+        self._cond = threading.Condition()
+        self._pending: collections.deque[_Sequence] = collections.deque()
+        self._running: list[_Sequence] = []
+        self._free_ids = list(range(capacity))  # least recently used first
+        self._slot_cache: list[list[int]] = [[] for _ in range(capacity)]
+        self._prefix_cache = prefix_cache
+        self._repack = repack
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._last_step_sequences = 0
+        self._steps = 0
+        self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
+        self._ll: Any = None
+        self._model: Any = None
+        self._ctx: Any = None
+        self._vocab: Any = None
+        self._mem: Any = None
+        self._batch: Any = None
+        self._n_vocab = 0
+        self._chat_template: str | None = None
+        self._builtin_template: str | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._run, name="ember-decode", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        self._free()
+
+    def _load(self) -> None:
+        try:
+            import llama_cpp as ll  # noqa: PLC0415 - heavy; loaded when the engine starts
+        except ImportError as exc:  # pragma: no cover - the runtime extra pins it
+            raise EngineUnavailableError(f"llama-cpp-python is not installed: {exc}") from exc
+        if not self._path.is_file():
+            raise EngineUnavailableError(f"model file not found: {self._path}")
+        self._ll = ll
+        _install_log_callback(ll)
+        ll.llama_backend_init()
+        mparams = ll.llama_model_default_params()
+        mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP  # share pages with prewarm's copy
+        mparams.n_gpu_layers = 0
+        # Repacked weights (AVX2 gemm on 4/8 columns, gemv for the rest) round differently for
+        # one token than for several, so a request's greedy text would depend on its
+        # neighbours. Off by default; engine.args.repack="true" trades that for speed.
+        mparams.use_extra_bufts = self._repack
+        self._model = ll.llama_model_load_from_file(str(self._path).encode(), mparams)
+        if not self._model:
+            raise EngineUnavailableError(f"llama.cpp could not load {self._path}")
+        self._ctx = ll.llama_init_from_model(self._model, self._context_params(ll))
+        if not self._ctx:
+            raise EngineUnavailableError("llama.cpp could not create a context (memory?)")
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        self._n_vocab = ll.llama_vocab_n_tokens(self._vocab)
+        self.info.vocab_size = self._n_vocab
+        self._mem = ll.llama_get_memory(self._ctx)
+        self._batch = ll.llama_batch_init(self._batch_tokens, 0, 1)
+        template = ll.llama_model_chat_template(self._model, None)
+        self._chat_template = template.decode() if template else None
+        self._builtin_template = None if template else self._builtin_template_name()
+        self._warm_up()
+        log.info(
+            "llama.cpp engine ready: %s, capacity %d, %d tokens/sequence, %d thread(s)",
+            self._path.name,
+            self._capacity,
+            self.info.context_length,
+            self._threads,
+        )
+
+    def _context_params(self, ll: Any) -> Any:
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = self.info.context_length * self._capacity
+        cparams.n_batch = self._batch_tokens
+        cparams.n_ubatch = self._batch_tokens
+        cparams.n_seq_max = self._capacity
+        # Logits for one token per sequence at most: sizing the output buffer for the whole
+        # batch would cost n_batch x 262k floats (hundreds of MiB) for nothing.
+        cparams.n_outputs_max = self._capacity
+        cparams.n_threads = self._threads
+        cparams.n_threads_batch = self._threads
+        cparams.kv_unified = False
+        cparams.no_perf = True
+        return cparams
+
+    def _warm_up(self) -> None:
+        ll = self._ll
+        bos = ll.llama_vocab_bos(self._vocab)
+        self._fill([(max(bos, 0), 0, 0, True)])
+        if ll.llama_decode(self._ctx, self._batch) != 0:
+            raise EngineUnavailableError("llama.cpp failed the warm-up decode")
+        ll.llama_memory_seq_rm(self._mem, 0, -1, -1)
+
+    def _free(self) -> None:
+        ll = self._ll
+        if ll is None:
+            return
+        for seq in self._running:
+            self._release(seq)
+        if self._batch is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    # --- the Engine API (event loop side) ----------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        data = text.encode()
+        buf = (ctypes.c_int32 * (len(data) + 8))()
+        n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, len(buf), add_special, True)
+        if n < 0:
+            buf = (ctypes.c_int32 * -n)()
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, -n, add_special, True)
+        return list(buf[:n])
+
+    def render_chat(self, messages: list[ChatMessage]) -> str:
+        """The GGUF's Jinja template when it has one, else llama.cpp's built-in template for the
+        model's architecture (also from GGUF metadata). The text starts with the BOS marker, so
+        tokenize it with add_special=False."""
+        bos = self._special_text(self._ll.llama_vocab_bos(self._vocab))
+        if self._chat_template is not None:
+            eos = self._special_text(self._ll.llama_vocab_eos(self._vocab))
+            return render_template(self._chat_template, messages, bos_token=bos, eos_token=eos)
+        if self._builtin_template is None:
+            raise ValueError("the model has no chat template and no built-in one is known")
+        return bos + self._apply_builtin(self._builtin_template, messages)
+
+    def _builtin_template_name(self) -> str | None:
+        buf = ctypes.create_string_buffer(128)
+        n = self._ll.llama_model_meta_val_str(self._model, b"general.architecture", buf, 128)
+        arch = buf.value.decode() if n > 0 else ""
+        # llama.cpp's own names (src/llama-chat.cpp); only families whose format is certain.
+        for prefix, name in (("gemma", "gemma"), ("qwen", "chatml")):
+            if arch.startswith(prefix):
+                return name
+        return None
+
+    def _apply_builtin(self, name: str, messages: list[ChatMessage]) -> str:
+        ll = self._ll
+        chat = (ll.llama_chat_message * len(messages))()
+        for i, m in enumerate(messages):
+            chat[i].role = m.role.encode()
+            chat[i].content = m.content.encode()
+        size = 2 * sum(len(m.content) for m in messages) + 256
+        buf = ctypes.create_string_buffer(size)
+        n = ll.llama_chat_apply_template(name.encode(), chat, len(messages), True, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n + 1)
+            n = ll.llama_chat_apply_template(name.encode(), chat, len(messages), True, buf, n + 1)
+        if n < 0:
+            raise ValueError(f"llama.cpp's {name!r} chat template rejected the messages")
+        return buf.raw[:n].decode("utf-8", "replace")
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> _Stream:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        stream = _Stream(self, len(prompt))
+        seq = _Sequence(stream, prompt, params)
+        with self._cond:
+            if self._stopping:
+                raise EngineStoppingError("the engine is shutting down")
+            if len(self._pending) >= self._max_queue:
+                raise QueueFullError(len(self._pending))
+            self._pending.append(seq)
+            self._cond.notify()
+        return stream
+
+    def set_max_batch_size(self, n: int) -> None:
+        if not 1 <= n <= self._capacity:
+            raise ValueError(f"maxBatchSize must be within 1..{self._capacity}, got {n}")
+        with self._cond:
+            self._max_batch = n
+            self._cond.notify()
+
+    def state(self) -> EngineState:
+        return EngineState(
+            max_batch_size=self._max_batch,
+            capacity=self._capacity,
+            active=len(self._running),
+            queued=len(self._pending),
+            last_step_sequences=self._last_step_sequences,
+            steps=self._steps,
+        )
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # --- the decode loop (its own thread) --------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._schedule():
+                self._step()
+        except Exception:  # a bug here must not leave clients hanging forever
+            log.exception("decode loop crashed")
+            self._fail_all("the decode loop crashed")
+        finally:
+            self._fail_all("the engine stopped")
+
+    def _schedule(self) -> bool:
+        """Wait for work, drop cancelled requests, admit new ones; False when stopping."""
+        with self._cond:
+            while True:
+                self._drop_cancelled()
+                if self._stopping:
+                    return False
+                while self._pending and len(self._running) < self._max_batch:
+                    self._admit(self._pending.popleft())
+                if self._running:
+                    return True
+                self._cond.wait()
+
+    def _drop_cancelled(self) -> None:
+        if any(s.stream.cancelled for s in self._pending):
+            kept = [s for s in self._pending if not s.stream.cancelled]
+            self._pending.clear()
+            self._pending.extend(kept)
+        done = [s for s in self._running if s.stream.cancelled]
+        for seq in done:
+            self._finish(seq, Delta("", 0, FinishReason.CANCELLED), deliver_now=True)
+
+    def _admit(self, seq: _Sequence) -> None:
+        seq.seq_id, reused = self._pick_slot(seq.prompt)
+        seq.prefilled = reused
+        params = seq.params
+        if not params.greedy:
+            seq.sampler = self._make_sampler(params)
+        self._running.append(seq)
+
+    def _pick_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """A free seq_id, preferring the one whose cached prompt shares the longest prefix.
+
+        Returns (seq_id, tokens already in its KV cache). At least the last prompt token is
+        always decoded again, because sampling needs its logits.
+        """
+        best, best_len = 0, -1
+        for i, sid in enumerate(self._free_ids):
+            common = _common_prefix(self._slot_cache[sid], prompt)
+            if common > best_len:  # ties keep the least recently used (earliest) slot
+                best, best_len = i, common
+        sid = self._free_ids.pop(best)
+        keep = min(best_len, len(prompt) - 1)
+        if keep <= 0 or not self._ll.llama_memory_seq_rm(self._mem, sid, keep, -1):
+            self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
+            keep = 0
+        self._slot_cache[sid] = []
+        return sid, keep
+
+    def _make_sampler(self, params: SamplingParams) -> Any:
+        ll = self._ll
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        if params.top_p < 1.0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(params.temperature))
+        seed = ll.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
+        return chain
+
+    def _step(self) -> None:
+        """One `llama_decode` over every active sequence, then one sample per sequence."""
+        active = self._running[: self._max_batch]  # a lowered limit pauses the newest ones
+        entries: list[tuple[int, int, int, bool]] = []
+        outputs: list[tuple[_Sequence, int]] = []
+        for seq in active:
+            if seq.prefilled == len(seq.prompt):
+                outputs.append((seq, len(entries)))
+                pos = seq.prefilled + seq.generated - 1  # the last sampled token's position
+                entries.append((seq.last_token, pos, seq.seq_id, True))
+        budget = self._batch_tokens - len(entries)
+        prompt_tokens = 0
+        for seq in active:
+            todo = len(seq.prompt) - seq.prefilled
+            if todo == 0:
+                continue
+            # One prompt per step: llama.cpp splits a batch holding several prompts into
+            # differently shaped ubatches, and the rounding then differs from a lone prefill;
+            # one prompt beside single decode tokens keeps greedy output batch-independent.
+            take = min(todo, budget)
+            start = seq.prefilled
+            for i in range(take):
+                last = start + i == len(seq.prompt) - 1
+                if last:
+                    outputs.append((seq, len(entries)))
+                entries.append((seq.prompt[start + i], start + i, seq.seq_id, last))
+            seq.prefilled += take
+            prompt_tokens += take
+            break
+        began = time.perf_counter()
+        self._fill(entries)
+        rc = self._ll.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            self._fail_batch(active, f"llama_decode failed with status {rc}")
+            return
+        self._sample(outputs)
+        self._steps += 1
+        self._last_step_sequences = len(active)
+        if self._observer is not None:
+            self._observer(StepStats(time.perf_counter() - began, len(active), prompt_tokens))
+
+    def _fill(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        batch = self._batch
+        token, pos, n_seq, seq_ids, logits = (
+            batch.token,
+            batch.pos,
+            batch.n_seq_id,
+            batch.seq_id,
+            batch.logits,
+        )
+        for i, (tok, p, sid, want) in enumerate(entries):
+            token[i] = tok
+            pos[i] = p
+            n_seq[i] = 1
+            seq_ids[i][0] = sid
+            logits[i] = want
+        batch.n_tokens = len(entries)
+
+    def _sample(self, outputs: list[tuple[_Sequence, int]]) -> None:
+        ll, ctx = self._ll, self._ctx
+        emits: list[tuple[_Stream, Delta]] = []
+        for seq, idx in outputs:
+            if seq.sampler is None:
+                # Greedy: argmax over the logits row in numpy. llama.cpp's greedy sampler would
+                # first copy all 262k candidates into a token-data array, per token.
+                row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), (self._n_vocab,))
+                tok = int(row.argmax())
+            else:
+                tok = ll.llama_sampler_sample(seq.sampler, ctx, idx)
+            delta = self._advance(seq, tok)
+            if delta is not None:
+                emits.append((seq.stream, delta))
+                if delta.finish_reason is not None:
+                    self._release(seq)
+        if emits and self._loop is not None:
+            self._loop.call_soon_threadsafe(_deliver, emits)
+
+    def _advance(self, seq: _Sequence, tok: int) -> Delta | None:
+        seq.last_token = tok
+        if self._is_eog(tok):
+            return Delta(seq.text.flush(), 0, FinishReason.STOP)
+        seq.generated += 1
+        text, stopped = seq.text.push(self._piece(tok))
+        if stopped:
+            return Delta(text, 1, FinishReason.STOP)
+        full = seq.prefilled + seq.generated >= self.info.context_length
+        if seq.generated >= seq.params.max_tokens or full:
+            return Delta(text + seq.text.flush(), 1, FinishReason.LENGTH)
+        return Delta(text, 1)
+
+    def _finish(self, seq: _Sequence, delta: Delta, *, deliver_now: bool) -> None:
+        self._release(seq)
+        if deliver_now and self._loop is not None:
+            self._loop.call_soon_threadsafe(seq.stream.put, delta)
+
+    def _release(self, seq: _Sequence) -> None:
+        """Leave the batch: clear the generated tokens' KV cells and return the seq_id.
+
+        With the prefix cache on, the prompt's cells stay as a reusable prefix for the next
+        request placed on this seq_id (cleared there if the next prompt differs); off, the
+        sequence's cells are cleared entirely.
+        """
+        sid = seq.seq_id
+        if sid < 0:
+            return
+        kept = seq.prefilled if self._prefix_cache else 0
+        if kept == 0 or not self._ll.llama_memory_seq_rm(self._mem, sid, kept, -1):
+            self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
+            kept = 0
+        self._slot_cache[sid] = seq.prompt[:kept]
+        if seq.sampler is not None:
+            self._ll.llama_sampler_free(seq.sampler)
+            seq.sampler = None
+        self._free_ids.append(sid)
+        seq.seq_id = -1
+        self._running.remove(seq)
+
+    def _fail_batch(self, seqs: list[_Sequence], message: str) -> None:
+        log.error("%s; failing %d sequence(s)", message, len(seqs))
+        for seq in list(seqs):
+            seq.prefilled = 0  # the cache state is unknown now: keep nothing for reuse
+            self._finish(seq, Delta("", 0, FinishReason.ERROR, message), deliver_now=True)
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            waiting = list(self._pending) + list(self._running)
+            self._pending.clear()
+        for seq in waiting:
+            delta = Delta("", 0, FinishReason.CANCELLED, message)
+            if seq.seq_id >= 0:
+                self._finish(seq, delta, deliver_now=True)
+            elif self._loop is not None:
+                self._loop.call_soon_threadsafe(seq.stream.put, delta)
+
+    # --- vocabulary helpers -----------------------------------------------------------------
+
+    def _piece(self, tok: int) -> bytes:
+        piece = self._pieces.get(tok)
+        if piece is None:
+            piece = self._token_bytes(tok, special=False)
+            self._pieces[tok] = piece
+        return piece
+
+    def _is_eog(self, tok: int) -> bool:
+        eog = self._eog.get(tok)
+        if eog is None:
+            eog = bool(self._ll.llama_vocab_is_eog(self._vocab, tok))
+            self._eog[tok] = eog
+        return eog
+
+    def _special_text(self, tok: int) -> str:
+        return "" if tok < 0 else self._token_bytes(tok, special=True).decode("utf-8", "replace")
+
+    def _token_bytes(self, tok: int, *, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = self._ll.llama_token_to_piece(self._vocab, tok, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._ll.llama_token_to_piece(self._vocab, tok, buf, len(buf), 0, special)
+        if n < 0:
+            raise EngineError(f"cannot detokenize token {tok}")
+        return buf.raw[:n]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _deliver(emits: list[tuple[_Stream, Delta]]) -> None:
+    for stream, delta in emits:
+        stream.put(delta)

@@ -1,0 +1,34 @@
+"""The one interface every temperature source implements (sysfs, NVML, npu-smi, fakes)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+# Readings outside this range are sensor faults, not temperatures: thermal zones report e.g.
+# -273000 or 255000 millidegrees when a sensor is unpowered. Dropping them keeps one bad
+# zone from throttling (or, worse, evicting) a healthy replica.
+PLAUSIBLE_CELSIUS = (-40.0, 150.0)
+
+
+class SensorUnavailableError(RuntimeError):
+    """A configured source cannot work on this machine (no driver, no tool): say why."""
+
+
+@runtime_checkable
+class TemperatureSource(Protocol):
+    def read(self) -> dict[str, float]:
+        """Current temperatures in degrees Celsius, keyed by a stable sensor name."""
+
+
+def plausible(celsius: float) -> bool:
+    low, high = PLAUSIBLE_CELSIUS
+    return low <= celsius <= high
+
+
+def hottest(temps: Mapping[str, float]) -> tuple[str, float] | None:
+    """The (name, °C) of the hottest sensor: the thermal loop acts on the worst one."""
+    if not temps:
+        return None
+    name = max(temps, key=lambda k: (temps[k], k))
+    return name, temps[name]

@@ -1,0 +1,104 @@
+"""NVIDIA GPUs through NVML (`nvidia-ml-py`, imported as `pynvml` only when this source is used).
+
+Besides temperature, NVML says *why* a GPU is slow: the SM clock and the clock-event ("throttle")
+reasons. Those go to `details()` for metrics and logs; `read()` returns temperatures only, like
+every other source. Without the package or the driver, construction raises
+`SensorUnavailableError` with the reason, so a misconfigured node fails loudly at start.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from ember_runtime.sensors.base import SensorUnavailableError, plausible
+
+log = logging.getLogger(__name__)
+
+NVML_TEMPERATURE_GPU = 0
+NVML_CLOCK_SM = 1
+# Bits of nvmlDeviceGetCurrentClocksEventReasons (nvml.h, stable across driver versions).
+THROTTLE_REASONS: dict[int, str] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    index: int
+    name: str
+    temperature_celsius: float
+    sm_clock_mhz: int
+    throttle_reasons: tuple[str, ...]
+
+
+def decode_reasons(mask: int) -> tuple[str, ...]:
+    return tuple(name for bit, name in sorted(THROTTLE_REASONS.items()) if mask & bit)
+
+
+def _load() -> ModuleType:
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError as exc:
+        raise SensorUnavailableError(
+            "NVML sensor configured but nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+        ) from exc
+
+
+class NvmlReader:
+    """GPU temperatures keyed `gpu<index>`; all GPUs visible to the container count."""
+
+    def __init__(self) -> None:
+        self._nvml = _load()
+        try:
+            self._nvml.nvmlInit()
+            count = int(self._nvml.nvmlDeviceGetCount())
+        except self._nvml.NVMLError as exc:
+            raise SensorUnavailableError(f"NVML cannot start (no NVIDIA driver?): {exc}") from exc
+        self._handles: list[Any] = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError as exc:
+            log.debug("nvmlShutdown: %s", exc)
+
+    def _reasons(self, handle: Any) -> int:
+        # Renamed in newer drivers ("clocks event"); the bits are the same.
+        getter = getattr(self._nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        if getter is None:
+            getter = self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        return int(getter(handle))
+
+    def details(self) -> list[GpuReading]:
+        out = []
+        for index, handle in enumerate(self._handles):
+            try:
+                name = self._nvml.nvmlDeviceGetName(handle)
+                temp = float(self._nvml.nvmlDeviceGetTemperature(handle, NVML_TEMPERATURE_GPU))
+                clock = int(self._nvml.nvmlDeviceGetClockInfo(handle, NVML_CLOCK_SM))
+                mask = self._reasons(handle)
+            except self._nvml.NVMLError as exc:  # a GPU fell off the bus: report the others
+                log.warning("gpu%d: NVML read failed: %s", index, exc)
+                continue
+            text = name.decode() if isinstance(name, bytes) else str(name)
+            out.append(GpuReading(index, text, temp, clock, decode_reasons(mask)))
+        return out
+
+    def read(self) -> dict[str, float]:
+        return {
+            f"gpu{r.index}": r.temperature_celsius
+            for r in self.details()
+            if plausible(r.temperature_celsius)
+        }

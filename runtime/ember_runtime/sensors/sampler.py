@@ -1,0 +1,158 @@
+"""Smoothing and sampling: per-sensor EWMA, several sources as one, a background sampler.
+
+The EWMA is asymmetric on purpose ("fast attack, slow release", as in audio limiters and the
+kernel's step_wise governor reacting at trip points): a rising reading is weighted `rising`
+(default 1.0: a real heat-up reaches the policy in one sample, so the batch shrinks within the
+2 s budget: ≤ 1 s sample + ≤ 1 s operator poll), a falling one `falling` (default 0.5: one cool
+sample — a fan burst, a sensor glitch — does not restore the full batch; a step down of 10 °C
+shows as 5, 7.5, 8.75 ... so the release lags ~2-3 samples, on top of the policy's hysteresis).
+Implausible readings are dropped by the readers before they get here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ember_runtime.config import SensorSettings
+from ember_runtime.sensors.base import SensorUnavailableError, TemperatureSource, hottest
+from ember_runtime.sensors.npu_smi import NpuSmiReader
+from ember_runtime.sensors.nvml import NvmlReader
+from ember_runtime.sensors.thermal_zone import ThermalZoneReader
+
+log = logging.getLogger(__name__)
+
+
+class Ewma:
+    """Per-key exponentially weighted moving average with separate rise/fall weights."""
+
+    def __init__(self, rising: float = 1.0, falling: float = 0.5) -> None:
+        for name, alpha in (("rising", rising), ("falling", falling)):
+            if not 0.0 < alpha <= 1.0:
+                raise ValueError(f"EWMA {name} weight must be in (0, 1], got {alpha}")
+        self._rising, self._falling = rising, falling
+        self._values: dict[str, float] = {}
+
+    def update(self, sample: dict[str, float]) -> dict[str, float]:
+        """Fold in one sample; sensors absent from it are forgotten (a device went away)."""
+        out: dict[str, float] = {}
+        for key, value in sample.items():
+            prev = self._values.get(key)
+            if prev is None:
+                out[key] = value
+            else:
+                alpha = self._rising if value >= prev else self._falling
+                out[key] = prev + alpha * (value - prev)
+        self._values = out
+        return {k: round(v, 2) for k, v in out.items()}
+
+
+class CompositeSource:
+    """Several sources read as one; a failing source is logged and the others still count."""
+
+    def __init__(self, sources: Sequence[TemperatureSource]) -> None:
+        self._sources = list(sources)
+
+    def read(self) -> dict[str, float]:
+        temps: dict[str, float] = {}
+        for source in self._sources:
+            try:
+                temps.update(source.read())
+            except (SensorUnavailableError, OSError, ValueError) as exc:
+                log.warning("%s: %s", type(source).__name__, exc)
+        return temps
+
+
+class SmoothedSource:
+    """A source whose every `read()` is one EWMA step: drop-in for the runtime's polling loop."""
+
+    def __init__(self, source: TemperatureSource, ewma: Ewma | None = None) -> None:
+        self._source = source
+        self._ewma = ewma or Ewma()
+        self._lock = threading.Lock()
+
+    def read(self) -> dict[str, float]:
+        sample = self._source.read()
+        with self._lock:
+            return self._ewma.update(sample)
+
+
+def build_source(settings: SensorSettings) -> SmoothedSource:
+    """The runtime's source from its config: thermal zones, plus NVML / npu-smi if configured."""
+    zones = ThermalZoneReader(settings.sysfs_root, settings.zone_types)
+    sources: list[TemperatureSource] = [zones]
+    if settings.nvml:
+        sources.append(NvmlReader())  # raises SensorUnavailableError with the reason
+    if settings.npu_smi:
+        sources.append(NpuSmiReader([settings.npu_smi, "info"]))
+    ewma = Ewma(settings.ewma_rising, settings.ewma_falling)
+    return SmoothedSource(CompositeSource(sources), ewma)
+
+
+@dataclass(frozen=True)
+class Sample:
+    temperatures: dict[str, float]
+    hottest_name: str | None
+    hottest_celsius: float | None
+    monotonic: float
+
+
+class Sampler:
+    """Reads a source every `interval` seconds on a daemon thread; `latest` is the last sample.
+
+    A thread (not an asyncio task) so a slow source — `npu-smi` can take ~1 s — never blocks an
+    event loop; reads are serialised, so a slow read delays the next one instead of piling up.
+    """
+
+    def __init__(
+        self,
+        source: TemperatureSource,
+        interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError(f"sampling interval must be > 0, got {interval}")
+        self._source, self._interval, self._clock = source, interval, clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._latest: Sample | None = None
+
+    @property
+    def latest(self) -> Sample | None:
+        return self._latest
+
+    def sample_once(self) -> Sample:
+        temps = self._source.read()
+        top = hottest(temps)
+        sample = Sample(temps, top[0] if top else None, top[1] if top else None, self._clock())
+        self._latest = sample
+        return sample
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sample_once()
+            except Exception:  # a broken sensor must not kill the sampler; keep trying
+                log.exception("temperature sample failed")
+            self._stop.wait(self._interval)
+
+    def start(self) -> Sampler:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ember-sensors", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._interval + 5)
+            self._thread = None
+
+    def __enter__(self) -> Sampler:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""Ember's inference sidecar: OpenAI-compatible HTTP over a batching engine."""

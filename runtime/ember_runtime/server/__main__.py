@@ -1,0 +1,89 @@
+"""`python -m ember_runtime.server [--config path] [--model path] [--port N] ...`
+
+SIGTERM (the kubelet's stop signal) stops accepting connections, lets in-flight streams finish
+(bounded by the request timeout), then stops the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from ember_runtime.engines.base import EngineUnavailableError
+from ember_runtime.server.app import create_app
+from ember_runtime.server.settings import load_settings
+from ember_runtime.server.state import AppState
+
+log = logging.getLogger("ember_runtime.server")
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _DrainingServer(uvicorn.Server):
+    """Marks the app as draining the moment the signal arrives, before uvicorn waits."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState) -> None:
+        super().__init__(config)
+        self._state = state
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises the captured signal after its graceful shutdown, which would end
+        # the process as "killed by SIGTERM"; a completed drain is a clean exit (status 0).
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in _SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._state.draining = True
+        log.info("signal %d: draining in-flight requests", sig)
+        super().handle_exit(sig, frame)
+
+
+def _write_termination_log(path: str, message: str) -> None:
+    # Outside Kubernetes there is no termination log; stderr has the message anyway.
+    with contextlib.suppress(OSError):
+        Path(path).write_text(message[:4096])
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = load_settings(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = settings.config
+    try:
+        app = create_app(config, model_path=settings.model_path)
+    except (OSError, ValueError, EngineUnavailableError) as exc:
+        log.error("cannot start: %s", exc)
+        _write_termination_log(config.termination_log, str(exc))
+        return 2
+    uv_config = uvicorn.Config(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=int(config.server.request_timeout_seconds) + 1,
+        access_log=False,
+        lifespan="on",
+    )
+    server = _DrainingServer(uv_config, app.state.ember)
+    server.run()
+    if not server.started:
+        _write_termination_log(config.termination_log, "the runtime failed to start")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The one place that turns exceptions into OpenAI's error body.
+
+`{"error": {"message", "type", "param", "code"}}` with the matching HTTP status, so the openai
+client raises its usual typed exceptions (BadRequestError, RateLimitError, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ember_runtime.engines.base import EngineError, EngineStoppingError, QueueFullError
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_unavailable",
+    504: "timeout",
+}
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    body = error_body(exc.status, exc.message, param=exc.param, code=exc.code)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+def from_engine_error(exc: EngineError) -> APIError:
+    if isinstance(exc, QueueFullError):
+        return APIError(
+            429,
+            str(exc),
+            code="queue_full",
+            headers={"Retry-After": str(exc.retry_after_seconds)},
+        )
+    if isinstance(exc, EngineStoppingError):
+        return APIError(503, str(exc), code="shutting_down", headers={"Retry-After": "1"})
+    return APIError(500, str(exc), code="engine_error")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON", code="invalid_json")
+    # Drop "body" and pydantic's union-branch tags ("str", "list[int]") from the location.
+    loc = [
+        str(part)
+        for part in first.get("loc", ())
+        if part != "body" and str(part) not in _TYPE_TAGS and "[" not in str(part)
+    ]
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else ""
+    code = "missing" if first.get("type") == "missing" else "invalid_value"
+    return APIError(400, f"{where}{first.get('msg', 'invalid value')}", param=param, code=code)
+
+
+def install(app: FastAPI) -> None:
+    async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return error_response(exc)
+
+    async def on_engine_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, EngineError)
+        return error_response(from_engine_error(exc))
+
+    async def on_validation(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(_validation_error(exc))
+
+    async def on_http(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=headers))
+
+    async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(APIError(500, "internal server error", code="internal"))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(EngineError, on_engine_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,172 @@
+"""Driving one engine stream for one HTTP request: timeouts, disconnects, metrics, SSE framing.
+
+Per-token work is kept to a dict-free string concatenation: each chunk is a pre-serialised
+prefix, `json.dumps(text)`, and a pre-serialised suffix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from ember_runtime.engines.base import Delta, FinishReason, GenerationStream
+from ember_runtime.server.errors import error_body
+from ember_runtime.server.metrics import Metrics
+from ember_runtime.server.schemas import Usage
+
+
+@dataclass(slots=True)
+class Outcome:
+    text: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Generation:
+    """Iterates a stream with the per-request timeout, recording TTFT and inter-token latency."""
+
+    def __init__(
+        self, stream: GenerationStream, metrics: Metrics, timeout: float, request: Request
+    ) -> None:
+        self.stream = stream
+        self.outcome = Outcome()
+        self._metrics = metrics
+        self._timeout = timeout
+        self._request = request
+        self._started = time.perf_counter()
+        self._last: float | None = None
+
+    @property
+    def usage(self) -> Usage:
+        prompt, done = self.stream.prompt_tokens, self.outcome.completion_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Yield deltas; always leaves the stream finished or cancelled (slot freed)."""
+        finished = False
+        try:
+            async with asyncio.timeout(self._timeout):
+                async for delta in self.stream:
+                    self._record(delta)
+                    finished = delta.finish_reason is not None
+                    yield delta
+        except TimeoutError:
+            self.outcome.finish_reason = "timeout"
+            self.outcome.error = f"the request exceeded its {self._timeout:g} s timeout"
+        finally:
+            if not finished:
+                self.stream.cancel()
+            reason = self.outcome.finish_reason or FinishReason.CANCELLED.value
+            self._metrics.finished.labels(reason=reason).inc()
+
+    def _record(self, delta: Delta) -> None:
+        if delta.n_tokens:
+            now = time.perf_counter()
+            if self._last is None:
+                self._metrics.ttft.observe(now - self._started)
+            else:
+                self._metrics.inter_token.observe(now - self._last)
+            self._last = now
+            self._metrics.generated_tokens.inc(delta.n_tokens)
+            self.outcome.completion_tokens += delta.n_tokens
+        if delta.text:
+            self.outcome.text.append(delta.text)
+        if delta.finish_reason is not None:
+            self.outcome.finish_reason = delta.finish_reason.value
+            self.outcome.error = delta.error
+
+    async def collect(self) -> Outcome:
+        """Run to the end for a non-streaming response, cancelling if the client leaves."""
+        watcher = asyncio.create_task(self._watch_disconnect())
+        try:
+            async for _ in self.deltas():
+                pass
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        return self.outcome
+
+    async def _watch_disconnect(self) -> None:
+        # The body is already read, so the next ASGI message is the client going away.
+        while True:
+            message = await self._request.receive()
+            if message["type"] == "http.disconnect":
+                self.stream.cancel()
+                return
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class SSEFramer:
+    """Builds `data: ...\\n\\n` chunks for completions or chat completions."""
+
+    def __init__(self, *, chat: bool, model: str, include_usage: bool) -> None:
+        self.chat = chat
+        self.include_usage = include_usage
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        ident = new_id("chatcmpl" if chat else "cmpl")
+        head = (
+            f'data: {{"id":"{ident}","object":"{kind}","created":{int(time.time())},'
+            f'"model":{json.dumps(model)},"choices":[{{"index":0,'
+        )
+        self._head = head
+        self._usage_head = head.split('"choices"', maxsplit=1)[0]
+        if chat:
+            self._text_prefix = head + '"delta":{"content":'
+            self._text_suffix = '},"logprobs":null,"finish_reason":null}]}\n\n'
+        else:
+            self._text_prefix = head + '"text":'
+            self._text_suffix = ',"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def opening(self) -> str | None:
+        if not self.chat:
+            return None
+        role = '"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
+        return self._head + role + "\n\n"
+
+    def text(self, text: str) -> str:
+        return self._text_prefix + json.dumps(text, ensure_ascii=False) + self._text_suffix
+
+    def finish(self, reason: str) -> str:
+        body = '"delta":{}' if self.chat else '"text":""'
+        return f'{self._head}{body},"logprobs":null,"finish_reason":"{reason}"}}]}}\n\n'
+
+    def usage(self, usage: Usage) -> str:
+        return f'{self._usage_head}"choices":[],"usage":{usage.model_dump_json()}}}\n\n'
+
+    @staticmethod
+    def error(status: int, message: str, code: str) -> str:
+        return f"data: {json.dumps(error_body(status, message, code=code))}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+async def sse_events(gen: Generation, framer: SSEFramer) -> AsyncIterator[str]:
+    opening = framer.opening()
+    if opening is not None:
+        yield opening
+    async for delta in gen.deltas():
+        if delta.text:
+            yield framer.text(delta.text)
+    reason = gen.outcome.finish_reason
+    if reason == "timeout":
+        yield framer.error(504, gen.outcome.error or "timeout", "timeout")
+    elif reason == FinishReason.ERROR.value:
+        yield framer.error(500, gen.outcome.error or "engine error", "engine_error")
+    elif reason is not None and reason != FinishReason.CANCELLED.value:
+        yield framer.finish(reason)
+        if framer.include_usage:
+            yield framer.usage(gen.usage)
+    yield DONE

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server instance (its own registry, so apps never collide)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ember_runtime.engines.base import EngineState, StepStats
+
+# Latency buckets from 5 ms (one batched decode step of a small model) to a minute.
+_LATENCY = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+_SEQS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "ember_time_to_first_token_seconds",
+            "From admission to the first generated token.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "ember_inter_token_latency_seconds",
+            "Between consecutive tokens of one stream.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "ember_generated_tokens", "Completion tokens generated.", registry=r
+        )
+        self.prompt_tokens = Counter("ember_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.requests = Counter(
+            "ember_requests",
+            "HTTP requests by endpoint and status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "ember_generations_finished", "Generations by finish reason.", ["reason"], registry=r
+        )
+        self.step_seconds = Histogram(
+            "ember_engine_step_seconds",
+            "One engine step (decode + sample).",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.step_sequences = Histogram(
+            "ember_engine_step_sequences",
+            "Sequences decoded per engine step.",
+            buckets=_SEQS,
+            registry=r,
+        )
+        self.queue_depth = Gauge("ember_queue_depth", "Requests waiting for a slot.", registry=r)
+        self.active = Gauge("ember_active_sequences", "Sequences in the batch.", registry=r)
+        self.max_batch = Gauge("ember_max_batch_size", "Current max batch size.", registry=r)
+        self.temperature = Gauge(
+            "ember_device_temperature_celsius", "Last reading per sensor.", ["sensor"], registry=r
+        )
+
+    def bind_engine(self, state: Callable[[], EngineState]) -> None:
+        """Gauges read the engine at scrape time rather than being pushed every step."""
+        self.queue_depth.set_function(lambda: state().queued)
+        self.active.set_function(lambda: state().active)
+        self.max_batch.set_function(lambda: state().max_batch_size)
+
+    def observe_step(self, stats: StepStats) -> None:
+        # Called from the decode thread; prometheus_client metrics are thread-safe.
+        self.step_seconds.observe(stats.seconds)
+        self.step_sequences.observe(stats.sequences)
+
+    def set_temperatures(self, temps: dict[str, float]) -> None:
+        for sensor, celsius in temps.items():
+            self.temperature.labels(sensor=sensor).set(celsius)

@@ -1,0 +1,174 @@
+"""OpenAI-compatible endpoints plus health, readiness and metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ember_runtime.engines.base import ChatMessage, FinishReason, SamplingParams
+from ember_runtime.server.errors import APIError
+from ember_runtime.server.generation import Generation, SSEFramer, new_id, sse_events
+from ember_runtime.server.schemas import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from ember_runtime.server.state import AppState, get_state, require_api_key
+
+api = APIRouter(dependencies=[Depends(require_api_key)])
+probes = APIRouter()
+
+StateDep = Annotated[AppState, Depends(get_state)]
+_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@probes.get("/healthz", include_in_schema=False)
+async def healthz() -> PlainTextResponse:
+    return PlainTextResponse("ok")
+
+
+@probes.get("/readyz", include_in_schema=False)
+async def readyz(state: StateDep) -> PlainTextResponse:
+    if state.ready and not state.draining:
+        return PlainTextResponse("ready")
+    return PlainTextResponse("draining" if state.draining else "loading", status_code=503)
+
+
+@probes.get("/metrics", include_in_schema=False)
+async def metrics(state: StateDep) -> Response:
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@api.get("/v1/models")
+async def list_models(state: StateDep) -> ModelList:
+    info = state.engine.info
+    return ModelList(data=[ModelCard(id=info.model_id, created=state.started)])
+
+
+@api.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
+    if isinstance(body.prompt, str):
+        if not body.prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
+        tokens = state.engine.tokenize(body.prompt, add_special=True)
+    else:
+        tokens = _checked_token_ids(body.prompt, state)
+    params = _sampling(body, tokens, state, default_max=_DEFAULT_COMPLETION_TOKENS)
+    return await _respond(body, tokens, params, request, state)
+
+
+@api.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep
+) -> Response:
+    # "developer" is OpenAI's newer name for the system role; templates know "system".
+    messages = [
+        ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in body.messages
+    ]
+    try:
+        prompt = state.engine.render_chat(messages)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages", code="chat_template") from exc
+    tokens = state.engine.tokenize(prompt, add_special=False)
+    if body.max_completion_tokens is not None:
+        body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+    params = _sampling(body, tokens, state, default_max=None)
+    return await _respond(body, tokens, params, request, state)
+
+
+def _checked_token_ids(ids: list[int], state: AppState) -> list[int]:
+    if not ids:
+        raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
+    vocab = state.engine.info.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise APIError(400, f"token ids must be within 0..{vocab - 1}", param="prompt")
+    return ids
+
+
+def _sampling(
+    body: CompletionRequest | ChatCompletionRequest,
+    tokens: list[int],
+    state: AppState,
+    *,
+    default_max: int | None,
+) -> SamplingParams:
+    context = state.engine.info.context_length
+    room = context - len(tokens)
+    if room <= 0:
+        raise APIError(
+            400,
+            f"the prompt has {len(tokens)} tokens; the context holds {context}",
+            param="prompt" if isinstance(body, CompletionRequest) else "messages",
+            code="context_length_exceeded",
+        )
+    wanted = body.max_tokens if body.max_tokens is not None else (default_max or room)
+    if wanted > room:
+        raise APIError(
+            400,
+            f"max_tokens {wanted} plus {len(tokens)} prompt tokens exceeds the context of "
+            f"{context} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    state.metrics.prompt_tokens.inc(len(tokens))
+    return SamplingParams(
+        max_tokens=wanted,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_strings(),
+    )
+
+
+async def _respond(
+    body: CompletionRequest | ChatCompletionRequest,
+    tokens: list[int],
+    params: SamplingParams,
+    request: Request,
+    state: AppState,
+) -> Response:
+    chat = isinstance(body, ChatCompletionRequest)
+    engine_stream = state.engine.submit(tokens, params)  # QueueFullError -> 429 right here
+    gen = Generation(engine_stream, state.metrics, state.request_timeout, request)
+    model = state.engine.info.model_id
+    if body.stream:
+        framer = SSEFramer(chat=chat, model=model, include_usage=body.include_usage)
+        return StreamingResponse(
+            sse_events(gen, framer),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    outcome = await gen.collect()
+    if outcome.finish_reason == "timeout":
+        raise APIError(504, outcome.error or "timeout", code="timeout")
+    if outcome.finish_reason in (FinishReason.ERROR.value, FinishReason.CANCELLED.value):
+        raise APIError(500, outcome.error or "generation was interrupted", code="engine_error")
+    text, reason = "".join(outcome.text), outcome.finish_reason
+    created = int(time.time())
+    if chat:
+        reply = ChatCompletionResponse(
+            id=new_id("chatcmpl"),
+            created=created,
+            model=model,
+            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=reason)],
+            usage=gen.usage,
+        )
+        return JSONResponse(reply.model_dump())
+    completion = CompletionResponse(
+        id=new_id("cmpl"),
+        created=created,
+        model=model,
+        choices=[CompletionChoice(text=text, finish_reason=reason)],
+        usage=gen.usage,
+    )
+    return JSONResponse(completion.model_dump())
