@@ -43,9 +43,11 @@ lint: install ## ruff + mypy
 
 crds: install ## regenerate crds/ (and the chart's copy) from the pydantic models
 	$(PY) -m ember_operator.api.crdgen
+	rm -f charts/ember/crds/*.yaml && cp crds/*.yaml charts/ember/crds/
 
-crds-check: install ## fail when the committed CRDs differ from the models
+crds-check: install ## fail when the committed CRDs (or the chart's copy) differ from the models
 	$(PY) -m ember_operator.api.crdgen --check
+	diff -ru crds charts/ember/crds
 
 cluster-build: install ## build/cache Kubernetes, kwok, helm and the local images
 	$(PY) -m tests.cluster build

@@ -3,13 +3,17 @@
 ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
+# A build behind a TLS-intercepting proxy passes its CA bundle as the optional secret `pip-ca`
+# (`--secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt`); without it pip uses its own.
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 RUN python3 -m venv /opt/ember
 COPY pyproject.toml README.md /src/
 COPY operator /src/operator
 COPY runtime /src/runtime
 # The gRPC stubs are generated at build time from the .proto files, never committed.
-RUN /opt/ember/bin/pip install grpcio-tools==1.85.* mypy-protobuf==5.1.* \
+RUN --mount=type=secret,id=pip-ca \
+    if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    /opt/ember/bin/pip install grpcio-tools==1.85.* mypy-protobuf==5.1.* \
  && cd /src && /opt/ember/bin/python -m ember_runtime.deviceplugin.api.generate \
  && /opt/ember/bin/pip install /src \
  && /opt/ember/bin/pip uninstall -y grpcio-tools mypy-protobuf

@@ -8,6 +8,8 @@
 ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
+# A build behind a TLS-intercepting proxy passes its CA bundle as the optional secret `pip-ca`
+# (`--secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt`); without it pip uses its own.
 ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 CMAKE_BUILD_PARALLEL_LEVEL=2
 RUN apt-get update \
@@ -15,11 +17,15 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/ember
 # Its own layer: the llama.cpp compile (minutes) is cached while Ember's code changes.
-RUN CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" /opt/ember/bin/pip install llama-cpp-python==0.3.36
+RUN --mount=type=secret,id=pip-ca \
+    if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" /opt/ember/bin/pip install llama-cpp-python==0.3.36
 COPY pyproject.toml README.md /src/
 COPY operator /src/operator
 COPY runtime /src/runtime
-RUN /opt/ember/bin/pip install '/src[runtime]'
+RUN --mount=type=secret,id=pip-ca \
+    if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    /opt/ember/bin/pip install '/src[runtime]'
 
 FROM ${BASE_IMAGE}
 COPY --from=build /opt/ember /opt/ember

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client, config
+from kubernetes.config import kube_config
 
 from tests.cluster.cluster import DEVICE_PLUGIN_DIR, NODE_NAME, POD_RESOURCES_SOCKET, Cluster
 from tests.cluster.fleet import ensure_fleet
@@ -73,6 +74,10 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture(scope="session")
 def kube(cluster: Cluster) -> Kube:
     cluster.up(with_node=False)
+    # In-process clients (Kopf under KopfRunner, the operator's own client) find the cluster
+    # through $KUBECONFIG; the kubernetes library read that variable once, at import time.
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(cluster.kubeconfig)
     api = config.new_client_from_config(str(cluster.kubeconfig))
     return Kube(cluster=cluster, kubeconfig=cluster.kubeconfig, api=api)
 

@@ -9,6 +9,7 @@ go.mod so a new release needs no code change.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from tests.cluster.paths import bin_dir, cache_root
 
@@ -132,10 +134,25 @@ def ensure_binaries() -> Path:
         raise SystemExit("Go is required to build the local cluster's binaries (see README)")
     out = bin_dir()
     out.mkdir(parents=True, exist_ok=True)
-    build_kubernetes(out)
-    for tool in EXTRA_TOOLS:
-        build_tool(tool, out)
+    if all((out / name).exists() for name in ALL_BINARIES):
+        return out
+    # One builder at a time (a test session and `make cluster-up` may race); the others wait.
+    with (cache_root() / "build.lock").open("w") as lock:
+        if not _try_lock(lock):
+            log("another build is running; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        build_kubernetes(out)
+        for tool in EXTRA_TOOLS:
+            build_tool(tool, out)
     return out
+
+
+def _try_lock(lock: IO[str]) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

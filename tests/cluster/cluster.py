@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -50,6 +51,12 @@ class Cluster:
         self.node.down()
         self.procs.stop("kwok")
         self.cp.down()
+        # Credentials and ports are per run: the next `up` makes fresh ones (milliseconds).
+        for path in (self.state / "pki", self.state / "endpoints.json", *self.state.glob("*.kubeconfig")):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         log("cluster down")
 
     def status(self) -> dict[str, bool]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import ssl
+import subprocess
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,6 +18,11 @@ from tests.cluster.procs import ProcessTable, free_port, wait_for
 
 SERVICE_CIDR = "10.96.0.0/16"
 NODE_NAME = "ember-node"
+# The node's and the apiserver's address: the kubelet refuses a loopback *address* as node IP,
+# so the cluster adds this one to the `lo` interface (no dummy-interface module in this kernel);
+# pods reach the apiserver and the kubelet through it via their bridge gateway.
+HOST_IFACE = "lo"
+HOST_IP = "10.243.255.1"
 
 
 @dataclass
@@ -50,6 +56,19 @@ def write_kubeconfig(path: Path, server: str, ca: Path, cert: Path, key: Path, u
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
     return path
+
+
+def ensure_host_address() -> None:
+    """Add HOST_IP to the loopback interface (idempotent)."""
+    show = subprocess.run(["ip", "-br", "addr", "show", HOST_IFACE], capture_output=True, text=True)
+    if f"{HOST_IP}/32" not in show.stdout:
+        subprocess.run(["ip", "addr", "add", f"{HOST_IP}/32", "dev", HOST_IFACE], check=True)
+
+
+def remove_host_address() -> None:
+    subprocess.run(
+        ["ip", "addr", "del", f"{HOST_IP}/32", "dev", HOST_IFACE], capture_output=True, check=False
+    )
 
 
 class ControlPlane:
@@ -95,7 +114,7 @@ class ControlPlane:
             name="apiserver", common_name="kube-apiserver", server=True, client=False,
             dns_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                        "kubernetes.default.svc.cluster.local"),
-            ips=("127.0.0.1", "10.96.0.1"),
+            ips=("127.0.0.1", HOST_IP, "10.96.0.1"),
         ))
         kcrt, kkey = pki.issue(CertSpec(
             name="apiserver-kubelet-client", common_name="kube-apiserver-kubelet-client",
@@ -113,10 +132,11 @@ class ControlPlane:
             str(self.bins / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{self.eps.etcd_client}",
             "--bind-address=0.0.0.0", f"--secure-port={self.eps.apiserver}",
-            "--advertise-address=127.0.0.1",
+            f"--advertise-address={HOST_IP}",
             f"--tls-cert-file={crt}", f"--tls-private-key-file={key}",
             f"--client-ca-file={pki.ca_cert_path}",
             f"--kubelet-client-certificate={kcrt}", f"--kubelet-client-key={kkey}",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             f"--service-account-key-file={sa_pub}", f"--service-account-signing-key-file={sa_key}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
@@ -175,6 +195,7 @@ class ControlPlane:
             return False
 
     def up(self) -> None:
+        ensure_host_address()
         self.start_etcd()
         self.start_apiserver()
         wait_for("kube-apiserver /readyz", self.ready, timeout=90,

@@ -60,10 +60,7 @@ def node_manifest(name: str, site: str, accelerator: str = "npu") -> dict[str, A
             },
         },
         "spec": {"taints": [SIM_TAINT]},
-        "status": {"allocatable": resources, "capacity": resources,
-                   "nodeInfo": {"architecture": "arm64", "operatingSystem": "linux",
-                                "kubeletVersion": "fake", "kubeProxyVersion": "fake"},
-                   "phase": "Running"},
+        "status": {"allocatable": resources, "capacity": resources, "phase": "Running"},
     }
 
 

@@ -28,7 +28,7 @@ PAUSE_IMAGE = "ember.local/pause:3.10"
 BASE_IMAGE = "ember.local/base:bookworm"
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = os.environ.get("EMBER_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-BASE_PACKAGES = ("python3", "ca-certificates", "procps", "iproute2")
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "procps", "iproute2")
 
 PAUSE_C = r"""
 #include <signal.h>
@@ -123,8 +123,14 @@ def _tar_rootfs(rootfs: Path, layer: Path) -> None:
     )
 
 
+def base_tar() -> Path:
+    """The base image's cache file, keyed by what goes into it."""
+    key = hashlib.sha256(f"{DEBIAN_SUITE} {BASE_PACKAGES}".encode()).hexdigest()[:12]
+    return images_dir() / f"base-{key}.tar"
+
+
 def build_base() -> Path:
-    out = images_dir() / "base.tar"
+    out = base_tar()
     if out.exists():
         return out
     if shutil.which("debootstrap") is None:

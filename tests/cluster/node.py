@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from tests.cluster.build import log
-from tests.cluster.control_plane import NODE_NAME, ControlPlane
+from tests.cluster.control_plane import HOST_IP, NODE_NAME, ControlPlane, remove_host_address
 from tests.cluster.images import BASE_IMAGE, PAUSE_IMAGE, ensure_images
 from tests.cluster.pki import CertSpec
 from tests.cluster.procs import ProcessTable, free_port, wait_for
@@ -118,13 +118,13 @@ class Node:
         cp = self.cp
         serving_crt, serving_key = cp.pki.issue(CertSpec(
             name="kubelet-serving", common_name=NODE_NAME, server=True, client=False,
-            dns_names=(NODE_NAME, "localhost"), ips=("127.0.0.1",),
+            dns_names=(NODE_NAME, "localhost"), ips=("127.0.0.1", HOST_IP),
         ))
         self.healthz_port = free_port()
         config = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
-            "address": "127.0.0.1",
+            "address": HOST_IP,
             "port": 10250,
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
@@ -164,7 +164,7 @@ class Node:
         config = self._kubelet_config()
         self.procs.start("kubelet", [
             str(self.cp.bins / "kubelet"), f"--config={config}", f"--kubeconfig={kubeconfig}",
-            f"--hostname-override={NODE_NAME}", "--node-ip=127.0.0.1",
+            f"--hostname-override={NODE_NAME}", f"--node-ip={HOST_IP}",
             f"--root-dir={KUBELET_ROOT}", "--node-labels=ember.dev/local-node=true", "--v=1",
         ])
 
@@ -197,6 +197,7 @@ class Node:
         _kill_matching("containerd-shim", str(self.containerd_sock))
         _unmount_under(KUBELET_ROOT, RUN_DIR)
         subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
+        remove_host_address()
         shutil.rmtree(RUN_DIR, ignore_errors=True)
 
     def _kill_pod_tasks(self) -> None:
@@ -221,7 +222,7 @@ def _kill_matching(binary: str, needle: str) -> None:
 
 def _unmount_under(*roots: Path) -> None:
     mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
-    targets = [m for m in mounts if any(m.startswith(str(r) + "/") for r in roots)]
+    targets = [m for m in mounts if any(m == str(r) or m.startswith(str(r) + "/") for r in roots)]
     for target in sorted(targets, key=len, reverse=True):  # children before parents
         subprocess.run(["umount", "-l", target], capture_output=True, check=False)
 

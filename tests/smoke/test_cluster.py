@@ -92,7 +92,7 @@ def test_kopf_operator_round_trip(widget_crd: str, kube: Kube, namespace: str, t
     body = {"apiVersion": "smoke.ember.dev/v1", "kind": "Widget",
             "metadata": {"name": "w1"}, "spec": {"size": 21}}
     args = ["run", "--standalone", f"--namespace={namespace}", str(script)]
-    with KopfRunner(args, env={"KUBECONFIG": str(kube.kubeconfig)}) as runner:
+    with KopfRunner(args) as runner:
         custom.create_namespaced_custom_object("smoke.ember.dev", "v1", namespace, "widgets", body)
 
         def doubled() -> bool:

@@ -1,0 +1,121 @@
+"""The Helm chart: lint, render over a table of value sets, and check what every user relies on."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.cluster.build import ensure_binaries
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "ember"
+VALUE_SETS = sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    return str(ensure_binaries() / "helm")
+
+
+def render(helm: str, *args: str) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        [helm, "template", "ember", str(CHART), "--namespace", "ember-system", *args],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@pytest.mark.parametrize("values", [None, *VALUE_SETS])
+def test_lint(helm: str, values: str | None) -> None:
+    args = ["-f", str(CHART / "ci" / values)] if values else []
+    proc = subprocess.run([helm, "lint", "--strict", str(CHART), *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("values", [None, *VALUE_SETS])
+def test_every_container_is_locked_down(helm: str, values: str | None) -> None:
+    docs = render(helm, *(["-f", str(CHART / "ci" / values)] if values else []))
+    workloads = by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet")
+    assert workloads
+    for workload in workloads:
+        pod = workload["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert "add" not in sc["capabilities"]
+            assert container["resources"]["limits"]["memory"]
+
+
+def test_operator_runs_as_non_root_with_probes(helm: str) -> None:
+    (operator,) = by_kind(render(helm), "Deployment")
+    pod = operator["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert pod["containers"][0]["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert "--standalone" in pod["containers"][0]["args"]
+
+
+def test_two_replicas_peer_instead_of_standalone(helm: str) -> None:
+    (operator,) = by_kind(render(helm, "-f", str(CHART / "ci" / "ha-values.yaml")), "Deployment")
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert operator["spec"]["replicas"] == 2
+    assert "--standalone" not in args
+    assert {"--namespace=edge-a", "--namespace=edge-b"} <= set(args)
+
+
+def test_rbac_has_no_wildcards_and_no_secrets(helm: str) -> None:
+    docs = render(helm, "-f", str(CHART / "ci" / "ha-values.yaml"))
+    (role,) = by_kind(docs, "ClusterRole")
+    for rule in role["rules"]:
+        for key in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[key], rule
+        assert "secrets" not in rule["resources"]
+    assert not by_kind(docs, "Role")
+
+
+def test_device_plugin_daemonset_is_node_critical_and_scoped(helm: str) -> None:
+    (ds,) = by_kind(render(helm), "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["nodeSelector"] == {"ember.dev/npu": "true"}
+    host_paths = {v["hostPath"]["path"] for v in pod["volumes"]}
+    assert host_paths == {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources",
+                          "/dev", "/var/lib/ember/deviceplugin"}
+
+
+def test_optional_parts_follow_values(helm: str) -> None:
+    minimal = render(helm, "-f", str(CHART / "ci" / "minimal-values.yaml"))
+    assert not by_kind(minimal, "DaemonSet") and not by_kind(minimal, "Service")
+    assert by_kind(render(helm, "-f", str(CHART / "ci" / "ha-values.yaml")), "ServiceMonitor")
+
+
+def test_crds_are_the_generated_ones() -> None:
+    root = CHART.parents[1] / "crds"
+    for crd in root.glob("*.yaml"):
+        assert (CHART / "crds" / crd.name).read_text() == crd.read_text()
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("operator.replicas=-1", "minimum"),
+        ("image.pullPolicy=Sometimes", "must be one of"),
+        ("devicePlugin.contextsPerDevice=0", "minimum"),
+        ("operator.typo=1", "additional properties"),
+    ],
+)
+def test_schema_rejects_bad_values(helm: str, flag: str, message: str) -> None:
+    proc = subprocess.run(
+        [helm, "template", "ember", str(CHART), "--set", flag], capture_output=True, text=True
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr.lower(), proc.stderr

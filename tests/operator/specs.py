@@ -1,0 +1,63 @@
+"""Spec builders shared by the operator's unit and integration tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+SHA = "0123456789abcdef" * 4
+# The kwok fleet's taint (tests/cluster/fleet.py): only pods that tolerate it land there.
+SIM_TOLERATION = {
+    "key": "ember.dev/simulated",
+    "operator": "Equal",
+    "value": "true",
+    "effect": "NoSchedule",
+}
+
+
+def manifest(name: str = "demo", **spec_overrides: Any) -> dict[str, Any]:
+    """A valid InferenceDeployment; overrides replace top-level spec keys."""
+    spec: dict[str, Any] = {
+        "model": {
+            "name": "gemma-3-270m",
+            "source": {"hostPath": {"path": "/var/lib/ember/models"}},
+            "files": [{"path": "gemma.gguf", "sha256": SHA, "sizeBytes": 10 * 2**20}],
+        },
+    }
+    spec.update(copy.deepcopy(spec_overrides))
+    return {
+        "apiVersion": "ember.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def fleet_manifest(name: str, sites: list[str], replicas: int = 1) -> dict[str, Any]:
+    """Runs on the kwok fleet: small explicit resources, pinned to sites, tolerating the taint."""
+    return manifest(
+        name,
+        replicas=replicas,
+        placement={"sites": sites, "tolerations": [SIM_TOLERATION]},
+        resources={
+            "requests": {"cpu": "100m", "memory": "256Mi"},
+            "limits": {"cpu": "1", "memory": "256Mi"},
+        },
+    )
+
+
+def set_path(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """Copy of doc with the dotted path set (list indices as numbers); value None deletes."""
+    out = copy.deepcopy(doc)
+    parts = dotted.split(".")
+    node: Any = out
+    for part in parts[:-1]:
+        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+    last = parts[-1]
+    if value is None:
+        del node[last]
+    elif isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return out

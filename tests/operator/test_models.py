@@ -1,0 +1,68 @@
+"""The pydantic models parse what the API server stores and reject what it would reject."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from ember_operator.api.models import (
+    AcceleratorKind,
+    EngineKind,
+    InferenceDeploymentStatus,
+    ModelFormat,
+    parse_spec,
+)
+from pydantic import ValidationError
+
+from tests.operator.specs import manifest
+
+
+def test_defaults_fill_a_minimal_spec() -> None:
+    spec = parse_spec(manifest()["spec"])
+    assert spec.replicas == 1
+    assert spec.model.format is ModelFormat.GGUF
+    assert spec.engine.kind is EngineKind.LLAMACPP
+    assert (spec.engine.max_batch_size, spec.engine.min_batch_size) == (16, 4)
+    assert spec.accelerator.kind is AcceleratorKind.CPU
+    assert spec.prewarm.enabled is True
+    assert (spec.thermal.throttle_celsius, spec.thermal.critical_celsius) == (78, 90)
+    assert spec.thermal.celsius_per_step == 2 and spec.thermal.critical_for_seconds == 60
+    assert spec.server.port == 8080
+    assert spec.resources is None and spec.image is None
+
+
+def test_camel_case_wire_names() -> None:
+    spec = parse_spec(
+        manifest(prewarm={"sharedMemoryLimit": "1Gi"}, engine={"maxBatchSize": 32})["spec"]
+    )
+    assert spec.prewarm.shared_memory_limit == "1Gi"
+    assert spec.engine.max_batch_size == 32
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"replicas": -1}, "greater than or equal to 0"),
+        ({"engine": {"kind": "vllm"}}, "llamacpp"),
+        ({"prewarm": {"sharedMemoryLimit": "lots"}}, "not a Kubernetes quantity"),
+        ({"server": {"port": 70000}}, "less than or equal to 65535"),
+        ({"surprise": True}, "Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_specs_fail_to_parse(overrides: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ValidationError, match=fragment):
+        parse_spec(manifest(**overrides)["spec"])
+
+
+def test_status_round_trips_in_camel_case() -> None:
+    wire = {
+        "observedGeneration": 3,
+        "readyReplicas": 2,
+        "replicas": 3,
+        "conditions": [{"type": "Ready", "status": "False", "reason": "ReplicasNotReady"}],
+        "replicaStatuses": [{"pod": "p", "temperatureCelsius": 71.5, "maxBatchSize": 8}],
+    }
+    status = InferenceDeploymentStatus.model_validate(wire)
+    assert status.replica_statuses[0].temperature_celsius == 71.5
+    dumped = status.model_dump(by_alias=True, exclude_none=True)
+    assert dumped["replicaStatuses"][0]["maxBatchSize"] == 8

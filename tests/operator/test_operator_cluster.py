@@ -1,0 +1,371 @@
+"""The operator against the real control plane (and the kwok fleet for pods that become Ready).
+
+Each test runs the operator in-process with KopfRunner, watching only its fresh namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ember_operator import metrics
+
+from tests.operator import rest
+from tests.operator.conftest import running_operator, wait_for
+from tests.operator.specs import fleet_manifest, manifest
+
+pytestmark = pytest.mark.cluster
+
+SITES = ["site-0", "site-1", "site-2"]
+OURS = "app.kubernetes.io/managed-by=ember-operator"
+CHILD_KINDS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "ConfigMap": "configmaps",
+    "PodDisruptionBudget": "pdbs",
+}
+
+
+@pytest.fixture(scope="module")
+def nodes(fleet: Callable[..., list[str]]) -> list[str]:
+    return fleet(6, sites=3)
+
+
+def _infd(kube: Any, ns: str, name: str) -> dict[str, Any]:
+    obj = rest.get(kube.api, "infd", ns, name)
+    assert obj is not None, f"{ns}/{name} is gone"
+    return obj
+
+
+def _deployment(kube: Any, ns: str, name: str) -> dict[str, Any] | None:
+    return rest.get(kube.api, "deployments", ns, name)
+
+
+def _pod_template(dep: dict[str, Any]) -> dict[str, Any]:
+    template: dict[str, Any] = dep["spec"]["template"]
+    return template
+
+
+def _config_hash(kube: Any, ns: str, name: str) -> str | None:
+    dep = _deployment(kube, ns, name)
+    return _pod_template(dep)["metadata"]["annotations"]["ember.dev/config-hash"] if dep else None
+
+
+def _condition(obj: dict[str, Any], ctype: str) -> dict[str, Any]:
+    conds = (obj.get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c["type"] == ctype), {})
+
+
+def _ready(kube: Any, ns: str, name: str) -> bool:
+    obj = _infd(kube, ns, name)
+    st = obj.get("status") or {}
+    return (
+        _condition(obj, "Ready").get("status") == "True"
+        and st.get("observedGeneration") == obj["metadata"]["generation"]
+        and st.get("readyReplicas") == obj["spec"]["replicas"]
+    )
+
+
+def _children(kube: Any, ns: str) -> dict[str, list[str]]:
+    return {
+        kind: sorted(
+            o["metadata"]["name"] for o in rest.items(kube.api, plural, ns, label_selector=OURS)
+        )
+        for kind, plural in CHILD_KINDS.items()
+    }
+
+
+def test_apply_creates_owned_children(kube: Any, namespace: str, operator: Any) -> None:
+    uid = rest.create(kube.api, "infd", namespace, manifest("alpha", replicas=2))["metadata"]["uid"]
+    wait_for("children", lambda: all(_children(kube, namespace).values()))
+    assert _children(kube, namespace) == {
+        "Deployment": ["alpha"],
+        "Service": ["alpha"],
+        "ConfigMap": ["alpha-config"],
+        "PodDisruptionBudget": ["alpha"],
+    }
+    dep = _deployment(kube, namespace, "alpha")
+    assert dep is not None
+    (ref,) = dep["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+        "InferenceDeployment",
+        "alpha",
+        uid,
+        True,
+    )
+    pod = _pod_template(dep)["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["python", "-m", "ember_runtime.prewarm", "prewarm"]
+    runtime = pod["containers"][0]
+    assert runtime["command"] == ["python", "-m", "ember_runtime.server"]
+    assert runtime["securityContext"]["readOnlyRootFilesystem"] is True
+    assert runtime["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    shm = next(v for v in pod["volumes"] if v["name"] == "prewarm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert runtime["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert _config_hash(kube, namespace, "alpha")
+    assert "ember-operator" in {m["manager"] for m in dep["metadata"]["managedFields"]}
+    selector = wait_for(
+        "status.selector",
+        lambda: (_infd(kube, namespace, "alpha").get("status") or {}).get("selector"),
+    )
+    assert selector == "app.kubernetes.io/name=ember,ember.dev/instance=alpha"
+
+
+def test_spec_edit_rolls_a_new_replicaset(kube: Any, namespace: str, operator: Any) -> None:
+    rest.create(kube.api, "infd", namespace, manifest("beta"))
+    before = wait_for("deployment", lambda: _config_hash(kube, namespace, "beta"))
+    rest.merge_patch(
+        kube.api, "infd", namespace, "beta", {"spec": {"engine": {"contextLength": 4096}}}
+    )
+    wait_for("new config hash", lambda: _config_hash(kube, namespace, "beta") not in (before, None))
+
+    def two_replicasets() -> list[dict[str, Any]] | None:
+        found = rest.items(
+            kube.api, "replicasets", namespace, label_selector="ember.dev/instance=beta"
+        )
+        return found if len(found) == 2 else None
+
+    replicasets = wait_for("two replicasets", two_replicasets)
+    assert len({r["metadata"]["labels"]["pod-template-hash"] for r in replicasets}) == 2
+    cm = rest.get(kube.api, "configmaps", namespace, "beta-config")
+    assert cm is not None and "contextLength: 4096" in cm["data"]["config.yaml"]
+
+
+def test_deleted_and_hand_edited_children_are_repaired(
+    kube: Any, namespace: str, operator: Any
+) -> None:
+    rest.create(kube.api, "infd", namespace, manifest("gamma"))
+    first = wait_for("deployment", lambda: _deployment(kube, namespace, "gamma"))
+    rest.delete(kube.api, "deployments", namespace, "gamma")
+
+    def recreated() -> dict[str, Any] | None:
+        dep = _deployment(kube, namespace, "gamma")
+        return dep if dep and dep["metadata"]["uid"] != first["metadata"]["uid"] else None
+
+    assert wait_for("re-created deployment", recreated)["spec"]["replicas"] == 1
+    rest.merge_patch(kube.api, "deployments", namespace, "gamma", {"spec": {"replicas": 7}})
+    wait_for(
+        "replicas repaired",
+        lambda: (_deployment(kube, namespace, "gamma") or {})["spec"]["replicas"] == 1,
+    )
+    rest.delete(kube.api, "services", namespace, "gamma")
+    wait_for("service back", lambda: _children(kube, namespace)["Service"] == ["gamma"])
+
+
+def test_delete_garbage_collects_children(kube: Any, namespace: str, operator: Any) -> None:
+    rest.create(kube.api, "infd", namespace, manifest("delta", replicas=2))
+    wait_for("children", lambda: all(_children(kube, namespace).values()))
+    rest.delete(kube.api, "infd", namespace, "delta", propagationPolicy="Foreground")
+    wait_for("children gone", lambda: not any(_children(kube, namespace).values()), timeout=180)
+    assert rest.get(kube.api, "infd", namespace, "delta") is None
+
+
+def test_restart_mid_way_makes_no_duplicates(kube: Any, namespace: str, crd: Any) -> None:
+    names = [f"r{i}" for i in range(4)]
+    with running_operator(namespace):
+        for name in names:
+            rest.create(kube.api, "infd", namespace, manifest(name))
+        wait_for("some children", lambda: _children(kube, namespace)["Deployment"])
+    with running_operator(namespace):
+
+        def all_observed() -> bool:
+            return all(
+                (_infd(kube, namespace, n).get("status") or {}).get("observedGeneration") == 1
+                for n in names
+            )
+
+        wait_for("all observed", all_observed)
+    children = _children(kube, namespace)
+    assert children["Deployment"] == names
+    assert children["Service"] == names
+    assert children["ConfigMap"] == [f"{n}-config" for n in names]
+    assert len(rest.items(kube.api, "replicasets", namespace)) == len(names)
+
+
+def test_scale_subresource_and_printer_columns(
+    kube: Any, namespace: str, operator: Any, nodes: list[str]
+) -> None:
+    rest.create(kube.api, "infd", namespace, fleet_manifest("eps", SITES, replicas=1))
+    wait_for("ready at 1", lambda: _ready(kube, namespace, "eps"), timeout=180)
+    kube.kubectl("-n", namespace, "scale", "infd/eps", "--replicas=3")
+    wait_for(
+        "deployment at 3",
+        lambda: (_deployment(kube, namespace, "eps") or {})["spec"]["replicas"] == 3,
+    )
+    wait_for("ready at 3", lambda: _ready(kube, namespace, "eps"), timeout=180)
+    assert _children(kube, namespace)["PodDisruptionBudget"] == ["eps"]
+    scale_path = f"{rest.path('infd', namespace, 'eps')}/scale"
+    scale = json.loads(kube.kubectl("get", "--raw", scale_path))
+    assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
+    assert scale["status"]["selector"] == "app.kubernetes.io/name=ember,ember.dev/instance=eps"
+    header, row = kube.kubectl("-n", namespace, "get", "infd").splitlines()[:2]
+    assert header.split() == ["NAME", "READY", "MODEL", "ENGINE", "ACCELERATOR", "STATUS", "AGE"]
+    assert row.split()[:6] == ["eps", "3/3", "gemma-3-270m", "llamacpp", "cpu", "AllReplicasReady"]
+    assert "eps" in kube.kubectl("-n", namespace, "get", "ember")  # the category
+    kube.kubectl("-n", namespace, "scale", "infd/eps", "--replicas=1")
+    wait_for("no PDB at 1", lambda: _children(kube, namespace)["PodDisruptionBudget"] == [])
+
+
+def test_sites_spread_and_ready(kube: Any, namespace: str, operator: Any, nodes: list[str]) -> None:
+    rest.create(kube.api, "infd", namespace, fleet_manifest("zeta", SITES, replicas=3))
+    wait_for("ready", lambda: _ready(kube, namespace, "zeta"), timeout=180)
+    pods = rest.items(kube.api, "pods", namespace, label_selector="ember.dev/instance=zeta")
+    listing = rest.request(kube.api, "GET", "/api/v1/nodes")
+    node_site = {
+        n["metadata"]["name"]: n["metadata"]["labels"].get("ember.dev/site")
+        for n in listing["items"]
+    }
+    assert sorted(node_site[p["spec"]["nodeName"]] for p in pods) == SITES
+    obj = _infd(kube, namespace, "zeta")
+    assert obj["status"]["readyReplicas"] == 3 and obj["status"]["ready"] == "3/3"
+    assert _condition(obj, "Progressing")["status"] == "False"
+    assert _condition(obj, "Degraded")["status"] == "False"
+    rows = obj["status"]["replicaStatuses"]
+    assert sorted(r["pod"] for r in rows) == sorted(p["metadata"]["name"] for p in pods)
+    assert all(r["node"] in node_site and r["phase"] == "Running" for r in rows)
+
+
+def _timer_reconciles() -> float:
+    return sum(
+        s.value
+        for m in metrics.RECONCILES.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels.get("trigger") == "timer"
+    )
+
+
+WATCHED = ["infd", "deployments", "services", "configmaps", "pdbs", "events"]
+
+
+def test_steady_state_issues_zero_writes(
+    kube: Any, namespace: str, operator: Any, nodes: list[str]
+) -> None:
+    for name, replicas in (("st-a", 1), ("st-b", 2)):
+        rest.create(kube.api, "infd", namespace, fleet_manifest(name, SITES, replicas=replicas))
+    wait_for(
+        "ready",
+        lambda: _ready(kube, namespace, "st-a") and _ready(kube, namespace, "st-b"),
+        timeout=180,
+    )
+    before = _timer_reconciles()
+    writes = rest.count_writes(kube.api, namespace, WATCHED, seconds=10)
+    # The timer did run (each object once a second) and found nothing to write.
+    assert _timer_reconciles() - before >= 10
+    assert writes == [], writes
+
+
+def test_unservable_spec_becomes_a_condition_not_a_loop(
+    kube: Any, namespace: str, operator: Any
+) -> None:
+    rest.create(kube.api, "infd", namespace, manifest("bad", prewarm={"sharedMemoryLimit": "1Mi"}))
+
+    def degraded_object() -> dict[str, Any] | None:
+        obj = _infd(kube, namespace, "bad")
+        return obj if _condition(obj, "Degraded").get("status") == "True" else None
+
+    obj = wait_for("degraded", degraded_object)
+    degraded = _condition(obj, "Degraded")
+    assert degraded["reason"] == "SharedMemoryTooSmall"
+    assert "sharedMemoryLimit" in degraded["message"]
+    assert _condition(obj, "Ready")["status"] == "False"
+    assert obj["status"]["reason"] == "SharedMemoryTooSmall"
+    assert _children(kube, namespace)["Deployment"] == []  # nothing that would crash-loop
+    events = rest.items(kube.api, "events", namespace, field_selector="involvedObject.name=bad")
+    assert [e["reason"] for e in events if e["type"] == "Warning"] == ["SharedMemoryTooSmall"]
+    # No hot loop: over several resyncs nothing is rewritten and no further events are posted.
+    writes = rest.count_writes(kube.api, namespace, WATCHED, seconds=5)
+    assert writes == [], writes
+    rest.merge_patch(
+        kube.api, "infd", namespace, "bad", {"spec": {"prewarm": {"sharedMemoryLimit": "1Gi"}}}
+    )
+    wait_for(
+        "fixed",
+        lambda: _condition(_infd(kube, namespace, "bad"), "Degraded").get("status") == "False",
+    )
+    wait_for("deployment", lambda: _deployment(kube, namespace, "bad"))
+
+
+def test_two_replicas_never_both_act(kube: Any, namespace: str, crd: Any, tmp_path: Path) -> None:
+    """Two `python -m ember_operator` processes in one peering: one acts, the other pauses."""
+    env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "ember_operator",
+        "-n",
+        namespace,
+        "--peering",
+        "ember-test",
+        "--metrics-port",
+        "0",
+        "--liveness-port",
+        "0",
+    ]
+    logs = [tmp_path / f"op{i}.log" for i in range(2)]
+    procs = []
+    for log in logs:
+        with log.open("w") as out:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        wait_for(
+            "one replica to pause",
+            lambda: sum("Pausing operations in favour" in p.read_text() for p in logs) == 1,
+            timeout=60,
+        )
+        rest.create(kube.api, "infd", namespace, manifest("peer"))
+        wait_for("children", lambda: _children(kube, namespace)["Deployment"] == ["peer"])
+        time.sleep(2)
+        handled = [p.read_text().count("Creation is processed") for p in logs]
+        assert sorted(handled) == [0, 1], handled
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            assert proc.wait(30) == 0  # SIGTERM is a clean exit
+
+
+def test_init_container_failure_degrades_with_an_event(
+    kube: Any, namespace: str, operator: Any, nodes: list[str]
+) -> None:
+    """A prewarm failure as the kubelet reports it (written to the pod's status subresource on a
+    kwok node, which has no kubelet) surfaces as Degraded with the prewarm's reason, plus one
+    Warning Event."""
+    rest.create(kube.api, "infd", namespace, fleet_manifest("eta", SITES))
+    wait_for("ready", lambda: _ready(kube, namespace, "eta"), timeout=180)
+    (pod,) = rest.items(kube.api, "pods", namespace, label_selector="ember.dev/instance=eta")
+    message = "ChecksumMismatch: gemma.gguf has sha256 1111…, expected 0123…"
+    failed = {
+        "name": "prewarm",
+        "image": "x",
+        "imageID": "",
+        "ready": False,
+        "restartCount": 3,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 3, "reason": "Error", "message": message}},
+    }
+    rest.request(
+        kube.api,
+        "PATCH",
+        f"{rest.path('pods', namespace, pod['metadata']['name'])}/status",
+        body={"status": {"initContainerStatuses": [failed]}},
+        content_type="application/strategic-merge-patch+json",
+    )
+
+    def warned() -> list[dict[str, Any]]:
+        events = rest.items(kube.api, "events", namespace, field_selector="involvedObject.name=eta")
+        return [e for e in events if e["reason"] == "ChecksumMismatch"]
+
+    (event,) = wait_for("warning event", warned, timeout=30)
+    assert event["type"] == "Warning" and "sha256" in event["message"]
+    # The Event is posted only when Degraded turns True with a new reason, and carries its
+    # message ("pod <name>: ..."), so it proves the condition was set from this pod.
+    assert pod["metadata"]["name"] in event["message"]

@@ -1,0 +1,170 @@
+"""The pure renderer: typed spec → manifests, checked field by field without a cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from ember_operator import render, sizing
+from ember_operator.api.models import parse_spec
+from ember_operator.settings import OperatorSettings
+from ember_runtime.config import RuntimeConfig
+
+from tests.operator.specs import manifest
+
+OWNER = render.Owner(name="demo", namespace="ns", uid="u-1")
+SETTINGS = OperatorSettings(runtime_image="example/runtime:1")
+
+
+def _render(**overrides: Any) -> dict[str, dict[str, Any]]:
+    spec = parse_spec(manifest(**overrides)["spec"])
+    sized = sizing.compute(spec, SETTINGS, None)
+    return {m["kind"]: m for m in render.render(OWNER, spec, SETTINGS, sized)}
+
+
+def _pod(out: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    pod: dict[str, Any] = out["Deployment"]["spec"]["template"]["spec"]
+    return pod
+
+
+def test_children_and_owner_references() -> None:
+    out = _render()
+    assert sorted(out) == ["ConfigMap", "Deployment", "Service"]  # no PDB for one replica
+    for child in out.values():
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert ref == {
+            "apiVersion": "ember.dev/v1alpha1",
+            "kind": "InferenceDeployment",
+            "name": "demo",
+            "uid": "u-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "ember-operator"
+
+
+def test_pdb_only_with_more_than_one_replica() -> None:
+    out = _render(replicas=3)
+    assert out["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
+    assert out["Deployment"]["spec"]["replicas"] == 3
+
+
+def test_pod_template_security_and_containers() -> None:
+    pod = _pod(_render())
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (init,) = pod["initContainers"]
+    (runtime,) = pod["containers"]
+    assert init["command"] == ["python", "-m", "ember_runtime.prewarm", "prewarm"]
+    assert runtime["command"] == ["python", "-m", "ember_runtime.server"]
+    for container in (init, runtime):
+        sec = container["securityContext"]
+        assert sec["readOnlyRootFilesystem"] is True
+        assert sec["allowPrivilegeEscalation"] is False
+        assert sec["capabilities"] == {"drop": ["ALL"]}
+        assert container["image"] == "example/runtime:1"
+    assert runtime["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert runtime["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert runtime["startupProbe"]["failureThreshold"] >= 3
+
+
+def test_memory_volume_sized_from_shared_memory_limit() -> None:
+    pod = _pod(_render(prewarm={"sharedMemoryLimit": "1Gi"}))
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["prewarm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+    assert volumes["model"]["hostPath"] == {"path": "/var/lib/ember/models", "type": "Directory"}
+    runtime = pod["containers"][0]
+    # tmpfs pages count against the pod: the limit must hold the volume plus inference memory.
+    limit = runtime["resources"]["limits"]["memory"]
+    from ember_operator import quantity
+
+    assert quantity.parse(limit) > quantity.parse("1Gi") + 512 * 2**20
+
+
+def test_no_prewarm_no_init_container_or_memory_volume() -> None:
+    pod = _pod(_render(prewarm={"enabled": False}))
+    assert "initContainers" not in pod
+    assert "prewarm" not in {v["name"] for v in pod["volumes"]}
+
+
+def test_sources_become_the_model_volume() -> None:
+    pvc = _pod(
+        _render(
+            model={
+                **manifest()["spec"]["model"],
+                "source": {"pvc": {"claimName": "m", "subPath": "g"}},
+            }
+        )
+    )
+    vol = {v["name"]: v for v in pvc["volumes"]}["model"]
+    assert vol["persistentVolumeClaim"] == {"claimName": "m", "readOnly": True}
+    mount = {m["name"]: m for m in pvc["containers"][0]["volumeMounts"]}["model"]
+    assert mount["subPath"] == "g"
+    image = _pod(
+        _render(model={**manifest()["spec"]["model"], "source": {"image": {"reference": "r/m:1"}}})
+    )
+    vol = {v["name"]: v for v in image["volumes"]}["model"]
+    assert vol["image"] == {"reference": "r/m:1", "pullPolicy": "IfNotPresent"}
+
+
+def test_accelerators_request_their_extended_resource() -> None:
+    npu = _pod(_render(accelerator={"kind": "npu", "count": 2}))["containers"][0]["resources"]
+    assert npu["limits"]["ember.dev/npu"] == "2" and npu["requests"]["ember.dev/npu"] == "2"
+    gpu = _pod(_render(accelerator={"kind": "nvidia-gpu", "count": 1}))
+    assert gpu["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    cpu = _pod(_render())["containers"][0]["resources"]
+    assert set(cpu["limits"]) == {"cpu", "memory"}
+    assert cpu["limits"] == cpu["requests"]  # Guaranteed QoS
+
+
+def test_sites_pin_and_spread() -> None:
+    pod = _pod(_render(placement={"sites": ["a", "b"], "nodeSelector": {"disk": "ssd"}}))
+    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["a", "b"]
+    assert pod["nodeSelector"] == {"disk": "ssd"}
+    spread = {c["topologyKey"]: c for c in pod["topologySpreadConstraints"]}
+    assert spread["ember.dev/site"]["whenUnsatisfiable"] == "DoNotSchedule"
+    assert spread["kubernetes.io/hostname"]["whenUnsatisfiable"] == "ScheduleAnyway"
+    loose = _pod(_render())
+    assert {c["whenUnsatisfiable"] for c in loose["topologySpreadConstraints"]} == {
+        "ScheduleAnyway"
+    }
+
+
+def test_configmap_holds_runtime_config_and_sizing() -> None:
+    out = _render(engine={"contextLength": 4096, "maxBatchSize": 8, "minBatchSize": 2})
+    data = out["ConfigMap"]["data"]
+    config = RuntimeConfig.model_validate(yaml.safe_load(data["config.yaml"]))
+    assert config.model_name == "gemma-3-270m"
+    assert config.engine.context_length == 4096 and config.engine.max_batch_size == 8
+    assert config.prewarm_dir == SETTINGS.prewarm_mount
+    assert config.total_bytes() == 10 * 2**20
+    figures = yaml.safe_load(data["sizing.yaml"])
+    assert figures["source"] == "estimate" and figures["threads"] == 1
+
+
+def test_config_hash_changes_with_the_spec_only() -> None:
+    def hash_of(out: dict[str, dict[str, Any]]) -> str:
+        annotations = out["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+        return str(annotations[render.CONFIG_HASH_ANNOTATION])
+
+    assert hash_of(_render()) == hash_of(_render())
+    assert hash_of(_render()) != hash_of(_render(engine={"contextLength": 4096}))
+
+
+def test_user_strings_cannot_inject_yaml() -> None:
+    evil = 'x"\n  injected: true\nkind: Secret'
+    out = _render(
+        model={**manifest()["spec"]["model"], "name": evil}, placement={"nodeSelector": {"k": evil}}
+    )
+    assert out["Deployment"]["kind"] == "Deployment"
+    assert _pod(out)["nodeSelector"] == {"k": evil}
+    assert "injected" not in out["Deployment"]
+
+
+def test_schema_valid_but_unservable_specs_are_problems() -> None:
+    spec = parse_spec(manifest(prewarm={"sharedMemoryLimit": "1Mi"})["spec"])
+    sized = sizing.compute(spec, SETTINGS, None)
+    assert [p.reason for p in render.problems(spec, sized)] == ["SharedMemoryTooSmall"]
+    ok = parse_spec(manifest()["spec"])
+    assert render.problems(ok, sizing.compute(ok, SETTINGS, None)) == []

@@ -1,0 +1,111 @@
+"""Sizing from the real Gemma 3 270M GGUF header."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ember_operator import quantity, sizing
+from ember_operator.api.models import parse_spec
+from ember_operator.settings import OperatorSettings
+
+from tests.operator.specs import manifest
+
+MIB = 2**20
+
+
+def _spec_for(path: Path, **overrides: Any) -> dict[str, Any]:
+    files = [{"path": path.name, "sha256": "0" * 64, "sizeBytes": path.stat().st_size}]
+    model = {"name": "gemma", "source": {"hostPath": {"path": str(path.parent)}}, "files": files}
+    spec: dict[str, Any] = manifest(model=model, **overrides)["spec"]
+    return spec
+
+
+def test_reads_the_gemma_header(gemma_gguf: Path) -> None:
+    shape = sizing.read_gguf_shape(gemma_gguf)
+    # Gemma 3 270M: 18 blocks, 640-wide, 4 query heads sharing 1 KV head of 256, 262k vocab.
+    assert shape.architecture == "gemma3"
+    assert (shape.layers, shape.embedding, shape.heads, shape.kv_heads) == (18, 640, 4, 1)
+    assert shape.key_length == shape.value_length == 256
+    assert shape.vocab == 262_144
+    assert shape.context >= 32_768
+
+
+def test_compute_buffer_matches_the_measured_514_mib(gemma_gguf: Path) -> None:
+    shape = sizing.read_gguf_shape(gemma_gguf)
+    buffer = sizing.compute_buffer_bytes(shape, context=2048, ubatch=512)
+    assert 500 * MIB <= buffer <= 540 * MIB, buffer / MIB
+
+
+def test_memory_covers_tmpfs_weights_kv_and_compute(gemma_gguf: Path) -> None:
+    settings = OperatorSettings()
+    spec = parse_spec(_spec_for(gemma_gguf, engine={"contextLength": 4096}))
+    shape = sizing.find_gguf_shape(spec, settings)
+    assert shape is not None, "the hostPath file should be found and read"
+    sized = sizing.compute(spec, settings, shape)
+    assert sized.source == "gguf-header"
+    assert sized.kv_cache_bytes == 18 * 4096 * 1 * (256 + 256) * 2
+    assert sized.shared_memory_bytes >= gemma_gguf.stat().st_size
+    floor = sized.shared_memory_bytes + sized.kv_cache_bytes + sized.compute_buffer_bytes
+    assert sized.memory_bytes >= floor + settings.runtime_overhead_mib * MIB
+    assert sized.memory_bytes % MIB == 0
+
+
+def test_without_prewarm_the_page_cache_is_counted_instead(gemma_gguf: Path) -> None:
+    settings = OperatorSettings()
+    spec = parse_spec(_spec_for(gemma_gguf, prewarm={"enabled": False}))
+    sized = sizing.compute(spec, settings, sizing.find_gguf_shape(spec, settings))
+    assert sized.shared_memory_bytes == 0
+    assert sized.memory_bytes >= gemma_gguf.stat().st_size + sized.compute_buffer_bytes
+
+
+def test_bigger_batch_means_bigger_buffer(gemma_gguf: Path) -> None:
+    settings = OperatorSettings()
+    small = parse_spec(_spec_for(gemma_gguf, engine={"args": {"n_batch": "128"}}))
+    large = parse_spec(_spec_for(gemma_gguf, engine={"args": {"n_batch": "1024"}}))
+    shape = sizing.read_gguf_shape(gemma_gguf)
+    assert (
+        sizing.compute(small, settings, shape).memory_bytes
+        < sizing.compute(large, settings, shape).memory_bytes
+    )
+
+
+def test_missing_header_falls_back_to_a_stated_estimate(tmp_path: Path) -> None:
+    settings = OperatorSettings()
+    spec = parse_spec(manifest()["spec"])  # hostPath not present on this machine
+    assert sizing.find_gguf_shape(spec, settings) is None
+    sized = sizing.compute(spec, settings, None)
+    assert sized.source == "estimate"
+    assert sized.compute_buffer_bytes >= 512 * MIB
+
+
+def test_threads_follow_the_cpu_limit() -> None:
+    settings = OperatorSettings(default_cpu="1")
+    assert sizing.compute(parse_spec(manifest()["spec"]), settings, None).threads == 1
+    limited = manifest(resources={"limits": {"cpu": "2500m", "memory": "2Gi"}})
+    assert sizing.compute(parse_spec(limited["spec"]), settings, None).threads == 2
+    pinned = manifest(engine={"threads": 3})
+    assert sizing.compute(parse_spec(pinned["spec"]), settings, None).threads == 3
+
+
+def test_startup_probe_allows_a_slow_load() -> None:
+    settings = OperatorSettings(min_load_bandwidth_mib_s=10, startup_base_seconds=30)
+    big = manifest(
+        model={
+            "name": "big",
+            "source": {"hostPath": {"path": "/m"}},
+            "files": [{"path": "m.gguf", "sha256": "0" * 64, "sizeBytes": 4000 * MIB}],
+        }
+    )
+    sized = sizing.compute(parse_spec(big["spec"]), settings, None)
+    allowed = sized.startup_period_seconds * sized.startup_failure_threshold
+    assert allowed >= 30 + 400  # 4000 MiB at 10 MiB/s
+
+
+def test_quantities_canonical_like_the_api_server() -> None:
+    assert quantity.format_bytes(1024 * MIB) == "1Gi"
+    assert quantity.format_bytes(1536 * MIB) == "1536Mi"
+    assert quantity.same("1Gi", "1024Mi") and quantity.same("1000m", "1")
+    assert not quantity.same("1Gi", "1G")
+    assert quantity.format_cpu(quantity.parse("2500m")) == "2500m"
+    assert quantity.format_cpu(quantity.parse("2")) == "2"

@@ -1,0 +1,151 @@
+"""Observed state → status, as pure functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ember_operator import status
+from ember_operator.render import Problem
+
+NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def _dep(replicas: int, ready: int, updated: int | None = None) -> dict[str, Any]:
+    return {
+        "metadata": {"generation": 2},
+        "status": {
+            "observedGeneration": 2,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": replicas if updated is None else updated,
+        },
+    }
+
+
+def _obs(**kw: Any) -> status.Observed:
+    base: dict[str, Any] = {
+        "generation": 5,
+        "desired": 3,
+        "deployment": _dep(3, 3),
+        "pods": [],
+        "problems": [],
+        "selector": "a=b",
+    }
+    base.update(kw)
+    return status.Observed(**base)
+
+
+def _conds(st: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
+
+
+def test_all_ready() -> None:
+    st = status.compute_status(_obs(), {}, NOW)
+    assert _conds(st) == {
+        "Ready": ("True", "AllReplicasReady"),
+        "Progressing": ("False", "RolloutComplete"),
+        "Degraded": ("False", "AsExpected"),
+    }
+    assert (st["ready"], st["readyReplicas"], st["observedGeneration"]) == ("3/3", 3, 5)
+    assert all(c["observedGeneration"] == 5 for c in st["conditions"])
+
+
+def test_rolling_out() -> None:
+    st = status.compute_status(_obs(deployment=_dep(3, 1, updated=2)), {}, NOW)
+    assert _conds(st)["Ready"] == ("False", "ReplicasNotReady")
+    assert _conds(st)["Progressing"] == ("True", "RollingOut")
+    assert st["reason"] == "RollingOut" and st["ready"] == "1/3"
+
+
+def test_init_container_termination_message_degrades() -> None:
+    pod = {
+        "metadata": {"name": "p-1"},
+        "spec": {"nodeName": "n1"},
+        "status": {
+            "phase": "Pending",
+            "initContainerStatuses": [
+                {
+                    "name": "prewarm",
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {
+                        "terminated": {
+                            "exitCode": 3,
+                            "message": "ChecksumMismatch: gemma.gguf has sha256 abc, want def",
+                        }
+                    },
+                }
+            ],
+        },
+    }
+    summary = status.pod_summary(pod)
+    assert summary["failure"] == {
+        "reason": "ChecksumMismatch",
+        "message": "gemma.gguf has sha256 abc, want def",
+    }
+    st = status.compute_status(_obs(deployment=_dep(3, 2), pods=[summary]), {}, NOW)
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ChecksumMismatch")
+    assert "p-1" in degraded["message"] and st["reason"] == "ChecksumMismatch"
+
+
+def test_unprefixed_failure_and_crashloop() -> None:
+    init_fail = {
+        "initContainerStatuses": [
+            {"name": "prewarm", "state": {"terminated": {"exitCode": 1, "message": "boom"}}}
+        ]
+    }
+    assert status.pod_failure(init_fail) == status.PodFailure("PrewarmFailed", "prewarm: boom")
+    crash = {
+        "containerStatuses": [
+            {
+                "name": "runtime",
+                "state": {"waiting": {"reason": "ImagePullBackOff", "message": "nope"}},
+            }
+        ]
+    }
+    failure = status.pod_failure(crash)
+    assert failure is not None and failure.reason == "ImagePullBackOff"
+    assert status.pod_failure({"phase": "Running"}) is None
+
+
+def test_problem_blocks_ready() -> None:
+    st = status.compute_status(
+        _obs(problems=[Problem("SharedMemoryTooSmall", "too small")]), {}, NOW
+    )
+    assert _conds(st)["Degraded"] == ("True", "SharedMemoryTooSmall")
+    assert _conds(st)["Ready"][0] == "False"
+
+
+def test_transition_time_only_moves_on_status_change() -> None:
+    first = status.compute_status(_obs(deployment=_dep(3, 1)), {}, NOW)
+    again = status.compute_status(_obs(deployment=_dep(3, 1)), first, LATER)
+    assert again == first
+    assert status.changed_fields(again, first) == {}
+    ready = status.compute_status(_obs(), first, LATER)
+    times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
+    assert times["Ready"] == LATER and times["Degraded"] == NOW
+    assert set(status.changed_fields(ready, first)) == {
+        "readyReplicas",
+        "ready",
+        "reason",
+        "conditions",
+    }
+
+
+def test_thermal_fields_of_replicas_are_kept() -> None:
+    pods = [
+        {"pod": "b", "node": "n2", "phase": "Running"},
+        {"pod": "a", "node": "n1", "phase": "Running"},
+    ]
+    old = {"replicaStatuses": [{"pod": "a", "temperatureCelsius": 80.5, "maxBatchSize": 4}]}
+    st = status.compute_status(_obs(pods=pods), old, NOW)
+    assert st["replicaStatuses"] == [
+        {
+            "pod": "a",
+            "node": "n1",
+            "phase": "Running",
+            "temperatureCelsius": 80.5,
+            "maxBatchSize": 4,
+        },
+        {"pod": "b", "node": "n2", "phase": "Running"},
+    ]

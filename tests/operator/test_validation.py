@@ -1,0 +1,242 @@
+"""Bad input, proven on the real API server: (manifest change, expected message) rows.
+
+Every CEL rule has a rejecting row and an accepting row. Objects are sent with server-side dry
+run and strict field validation (what `kubectl apply` does), so nothing needs cleaning up.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.operator.specs import SHA, manifest, set_path
+
+pytestmark = pytest.mark.cluster
+
+Doc = dict[str, Any]
+Change = Callable[[Doc], Doc]
+
+
+def path(dotted: str, value: Any) -> Change:
+    return lambda doc: set_path(doc, dotted, value)
+
+
+def spec(**overrides: Any) -> Change:
+    return lambda doc: manifest(doc["metadata"]["name"], **overrides)
+
+
+HOST = {"hostPath": {"path": "/models"}}
+MODEL = manifest()["spec"]["model"]
+TRT_MODEL = {
+    **MODEL,
+    "format": "trtllm-engine",
+    "files": [{"path": "rank0.engine", "sha256": SHA, "sizeBytes": 10}],
+}
+TRT = {
+    "model": TRT_MODEL,
+    "engine": {"kind": "tensorrt-llm"},
+    "accelerator": {"kind": "nvidia-gpu"},
+}
+
+REJECT: list[tuple[str, Change, str]] = [
+    ("missing-model", path("spec.model", None), "spec.model: Required value"),
+    ("missing-spec", path("spec", None), "spec: Required value"),
+    (
+        "two-sources",
+        path("spec.model.source", {**HOST, "pvc": {"claimName": "m"}}),
+        "model.source must set exactly one of hostPath, pvc or image",
+    ),
+    (
+        "no-source",
+        path("spec.model.source", {}),
+        "model.source must set exactly one of hostPath, pvc or image",
+    ),
+    (
+        "bad-sha256",
+        path("spec.model.files.0.sha256", "abc123"),
+        "sha256 must be exactly 64 lowercase hexadecimal",
+    ),
+    (
+        "upper-sha256",
+        path("spec.model.files.0.sha256", SHA.upper()),
+        "sha256 must be exactly 64 lowercase hexadecimal",
+    ),
+    (
+        "dotdot-path",
+        path("spec.model.files.0.path", "../etc/passwd.gguf"),
+        "relative path without '..'",
+    ),
+    ("absolute-path", path("spec.model.files.0.path", "/etc/m.gguf"), "relative path without '..'"),
+    ("no-files", path("spec.model.files", []), "spec.model.files: Invalid value"),
+    (
+        "gguf-without-gguf-file",
+        path("spec.model.files.0.path", "model.bin"),
+        "at least one file ending in .gguf",
+    ),
+    (
+        "relative-hostpath",
+        path("spec.model.source", {"hostPath": {"path": "models"}}),
+        "hostPath.path must be an absolute path",
+    ),
+    (
+        "pvc-subpath-dotdot",
+        path("spec.model.source", {"pvc": {"claimName": "m", "subPath": "a/../../b"}}),
+        "subPath must be relative",
+    ),
+    (
+        "min-over-max-batch",
+        spec(engine={"minBatchSize": 32, "maxBatchSize": 16}),
+        "minBatchSize must be less than or equal to engine.maxBatchSize",
+    ),
+    (
+        "min-over-default-max",
+        spec(engine={"minBatchSize": 17}),
+        "minBatchSize must be less than or equal to engine.maxBatchSize",
+    ),
+    (
+        "max-batch-too-big",
+        spec(engine={"maxBatchSize": 300}),
+        "should be less than or equal to 256",
+    ),
+    (
+        "critical-equals-throttle",
+        spec(thermal={"throttleCelsius": 80, "criticalCelsius": 80}),
+        "criticalCelsius must be greater than thermal.throttleCelsius",
+    ),
+    (
+        "critical-below-default-throttle",
+        spec(thermal={"criticalCelsius": 70}),
+        "criticalCelsius must be greater than thermal.throttleCelsius",
+    ),
+    (
+        "tensorrt-on-cpu",
+        spec(model=TRT_MODEL, engine={"kind": "tensorrt-llm"}),
+        "tensorrt-llm requires accelerator.kind nvidia-gpu",
+    ),
+    (
+        "trt-engine-on-llamacpp",
+        spec(model=TRT_MODEL),
+        "trtllm-engine requires engine.kind tensorrt-llm",
+    ),
+    (
+        "gguf-on-tensorrt",
+        spec(engine={"kind": "tensorrt-llm"}, accelerator={"kind": "nvidia-gpu"}),
+        "model.format gguf requires engine.kind llamacpp",
+    ),
+    (
+        "threads-on-tensorrt",
+        spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "threads": 4}}),
+        "engine.threads only applies to the llamacpp engine",
+    ),
+    (
+        "gpu-count-zero",
+        spec(accelerator={"kind": "npu", "count": 0}),
+        "accelerator.count must be at least 1",
+    ),
+    (
+        "negative-replicas",
+        spec(replicas=-1),
+        "spec.replicas: Invalid value: -1: spec.replicas in body should be greater than or "
+        "equal to 0",
+    ),
+    ("port-out-of-range", spec(server={"port": 70000}), "should be less than or equal to 65535"),
+    ("privileged-port", spec(server={"port": 80}), "should be greater than or equal to 1024"),
+    (
+        "unknown-engine",
+        spec(engine={"kind": "vllm"}),
+        'Unsupported value: "vllm": supported values: "llamacpp", "tensorrt-llm"',
+    ),
+    ("unknown-accelerator", spec(accelerator={"kind": "tpu"}), 'Unsupported value: "tpu"'),
+    (
+        "unknown-format",
+        path("spec.model.format", "safetensors"),
+        'Unsupported value: "safetensors"',
+    ),
+    ("unknown-thermal-policy", spec(thermal={"policy": "panic"}), 'Unsupported value: "panic"'),
+    (
+        "bad-quantity",
+        spec(prewarm={"sharedMemoryLimit": "lots"}),
+        "sharedMemoryLimit in body should match",
+    ),
+    (
+        "unknown-field",
+        path("spec.engine", {"kind": "llamacpp", "turbo": True}),
+        'unknown field "spec.engine.turbo"',
+    ),
+    (
+        "name-too-long",
+        path("metadata.name", "a" * 57),
+        "metadata.name must be a lowercase DNS label of at most 56",
+    ),
+    ("duplicate-sites", spec(placement={"sites": ["a", "a"]}), "Duplicate value"),
+]
+
+ACCEPT: list[tuple[str, Change]] = [
+    ("minimal", lambda doc: doc),
+    ("pvc-source", path("spec.model.source", {"pvc": {"claimName": "m", "subPath": "gemma/v1"}})),
+    ("image-source", path("spec.model.source", {"image": {"reference": "registry/models:gemma"}})),
+    ("nested-relative-path", path("spec.model.files.0.path", "sub/dir/model..v1.gguf")),
+    ("min-equals-max-batch", spec(engine={"minBatchSize": 16, "maxBatchSize": 16})),
+    ("critical-just-above", spec(thermal={"throttleCelsius": 80, "criticalCelsius": 81})),
+    ("tensorrt-on-gpu", spec(**TRT)),
+    ("npu-with-count", spec(accelerator={"kind": "npu", "count": 2})),
+    ("cpu-count-zero", spec(accelerator={"kind": "cpu", "count": 0})),
+    ("threads-on-llamacpp", spec(engine={"threads": 2})),
+    ("zero-replicas", spec(replicas=0)),
+    ("name-56", path("metadata.name", "a" * 56)),
+    ("integer-quantity", spec(prewarm={"sharedMemoryLimit": 1073741824})),
+]
+
+
+def _create(api: client.ApiClient, namespace: str, doc: Doc) -> Any:
+    return client.CustomObjectsApi(api).create_namespaced_custom_object(
+        "ember.dev",
+        "v1alpha1",
+        namespace,
+        "inferencedeployments",
+        doc,
+        dry_run="All",
+        field_validation="Strict",
+    )
+
+
+@pytest.mark.parametrize(("case", "change", "message"), REJECT, ids=[r[0] for r in REJECT])
+def test_rejected(crd: Any, namespace: str, case: str, change: Change, message: str) -> None:
+    doc = change(manifest(f"bad-{case}"[:56]))
+    with pytest.raises(ApiException) as info:
+        _create(crd.api, namespace, doc)
+    assert info.value.status in (400, 422), info.value.body
+    text = json.loads(info.value.body or "{}")["message"]
+    assert message in text, text
+
+
+@pytest.mark.parametrize(("case", "change"), ACCEPT, ids=[a[0] for a in ACCEPT])
+def test_accepted(crd: Any, namespace: str, case: str, change: Change) -> None:
+    created = _create(crd.api, namespace, change(manifest(f"ok-{case}")))
+    spec_out = created["spec"]
+    # Server-side defaulting from the schema (nested objects default to {} and then fill in).
+    assert spec_out["engine"]["maxBatchSize"] >= spec_out["engine"]["minBatchSize"]
+    assert spec_out["thermal"]["criticalCelsius"] > spec_out["thermal"]["throttleCelsius"]
+    assert spec_out["server"]["port"] >= 1024
+
+
+def test_update_is_validated_too(crd: Any, namespace: str) -> None:
+    api = client.CustomObjectsApi(crd.api)
+    api.create_namespaced_custom_object(
+        "ember.dev", "v1alpha1", namespace, "inferencedeployments", manifest("upd")
+    )
+    with pytest.raises(ApiException) as info:
+        api.patch_namespaced_custom_object(
+            "ember.dev",
+            "v1alpha1",
+            namespace,
+            "inferencedeployments",
+            "upd",
+            {"spec": {"thermal": {"criticalCelsius": 60}}},
+        )
+    assert "criticalCelsius must be greater than" in json.loads(info.value.body or "{}")["message"]

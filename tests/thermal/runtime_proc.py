@@ -1,0 +1,101 @@
+"""Start the real runtime (`python -m ember_runtime.server`) as a process with a fake thermal tree.
+
+Used by the poller tests and by bench/thermal_bench.py. The process is the one a pod runs: real
+engine, real model, real HTTP; only the sysfs root points at a temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from ember_runtime.config import EngineSettings, RuntimeConfig, SensorSettings, ServerSettings
+from ember_runtime.models import default_model_path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RuntimeProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def stop(self) -> int:
+        """SIGTERM (what the kubelet sends), then wait; SIGKILL only after 60 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_runtime(
+    workdir: Path,
+    sysfs_root: Path,
+    *,
+    max_batch: int = 16,
+    min_batch: int = 4,
+    context: int = 256,
+    interval: float = 0.2,
+    api_key: str | None = None,
+    threads: int = 1,
+    argv_prefix: Sequence[str] = (),
+) -> RuntimeProcess:
+    model = default_model_path()
+    key_file = None
+    if api_key is not None:
+        key_file = workdir / "api-key"
+        key_file.write_text(api_key)
+    port = free_port()
+    config = RuntimeConfig(
+        model_name="gemma3-270m",
+        model_dir=str(model.parent),
+        engine=EngineSettings(
+            max_batch_size=max_batch, min_batch_size=min_batch, context_length=context,
+            threads=threads,
+        ),
+        server=ServerSettings(
+            host="127.0.0.1", port=port, api_key_file=str(key_file) if key_file else None,
+            request_timeout_seconds=120,
+        ),
+        sensors=SensorSettings(sysfs_root=str(sysfs_root), interval_seconds=interval),
+        termination_log=str(workdir / "termination-log"),
+    )
+    cfg = workdir / "config.yaml"
+    cfg.write_text(config.to_yaml())
+    log = workdir / "runtime.log"
+    argv = [*argv_prefix, sys.executable, "-m", "ember_runtime.server", "--config", str(cfg),
+            "--model", str(model), "--log-level", "warning"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    running = RuntimeProcess(proc, url, log)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"runtime exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return running
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    running.stop()
+    raise RuntimeError(f"runtime not ready in 180 s:\n{log.read_text()[-3000:]}")

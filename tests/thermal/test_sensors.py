@@ -1,0 +1,207 @@
+"""Sensors through their real code paths: a fake sysfs tree, a fake `npu-smi` executable,
+and NVML's absence on this machine (no NVIDIA driver here)."""
+
+from __future__ import annotations
+
+import stat
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from ember_runtime.config import SensorSettings
+from ember_runtime.sensors import (
+    CompositeSource,
+    Ewma,
+    Sample,
+    Sampler,
+    SensorUnavailableError,
+    SmoothedSource,
+    ThermalZoneReader,
+    build_source,
+    hottest,
+)
+from ember_runtime.sensors.npu_smi import NpuSmiParseError, NpuSmiReader, parse_npu_smi_info
+from ember_runtime.sensors.nvml import decode_reasons
+
+from tests.thermal.conftest import FIXTURES, FakeThermalTree
+
+
+def test_thermal_zones_read_millidegrees(thermal_tree: FakeThermalTree) -> None:
+    thermal_tree.zone(0, "x86_pkg_temp", 61.5)
+    thermal_tree.zone(1, "acpitz", 40.0)
+    thermal_tree.zone(2, "acpitz", 41.0)
+    reader = ThermalZoneReader(thermal_tree.root)
+    assert reader.read() == {"x86_pkg_temp": 61.5, "acpitz": 40.0, "acpitz/thermal_zone2": 41.0}
+
+
+def test_zone_type_filter_and_implausible_values(thermal_tree: FakeThermalTree) -> None:
+    thermal_tree.zone(0, "soc-thermal", 70.0)
+    thermal_tree.zone(1, "battery", 95.0)  # hot, but not the accelerator
+    thermal_tree.zone(2, "gpu-thermal", -273.0)  # an unpowered sensor
+    (thermal_tree.root / "class/thermal/thermal_zone3").mkdir()  # no files: skipped
+    reader = ThermalZoneReader(thermal_tree.root, types=["soc*", "gpu*"])
+    assert reader.read() == {"soc-thermal": 70.0}
+
+
+def test_missing_tree_reads_empty(tmp_path: Path) -> None:
+    assert ThermalZoneReader(tmp_path / "nothing").read() == {}
+
+
+def test_hottest() -> None:
+    assert hottest({}) is None
+    assert hottest({"a": 50.0, "b": 80.0, "c": 79.9}) == ("b", 80.0)
+
+
+def test_ewma_fast_attack_slow_release() -> None:
+    ewma = Ewma(rising=1.0, falling=0.5)
+    assert ewma.update({"z": 70.0}) == {"z": 70.0}
+    assert ewma.update({"z": 84.0}) == {"z": 84.0}  # heat counts at once
+    assert ewma.update({"z": 74.0}) == {"z": 79.0}  # cooling is smoothed
+    assert ewma.update({"z": 74.0}) == {"z": 76.5}
+    assert ewma.update({}) == {}  # a vanished sensor is forgotten
+    smooth = Ewma(rising=0.5, falling=0.5)
+    smooth.update({"z": 70.0})
+    assert smooth.update({"z": 80.0}) == {"z": 75.0}
+    with pytest.raises(ValueError, match="rising"):
+        Ewma(rising=0.0)
+
+
+def test_sampler_follows_the_fake_tree(thermal_tree: FakeThermalTree) -> None:
+    thermal_tree.zone(0, "soc-thermal", 60.0)
+    thermal_tree.zone(1, "npu-thermal", 70.0)
+    source = SmoothedSource(ThermalZoneReader(thermal_tree.root), Ewma(1.0, 0.5))
+    with Sampler(source, interval=0.05) as sampler:
+        _wait_for(sampler, lambda s: s.hottest_celsius == 70.0)
+        thermal_tree.set(0, 84.0)
+        sample = _wait_for(sampler, lambda s: s.hottest_name == "soc-thermal")
+        assert sample.hottest_celsius == 84.0
+        thermal_tree.set(0, 76.0)
+        # The release is smoothed: 84 → 80 → 78 → 77 ... never a jump straight to 76.
+        between = _wait_for(sampler, lambda s: (s.hottest_celsius or 0) < 84.0)
+        assert between.hottest_celsius == 80.0
+        thermal_tree.set(0, 50.0)
+        last = _wait_for(sampler, lambda s: s.hottest_name == "npu-thermal")
+        assert last.hottest_celsius == 70.0
+
+
+def _wait_for(sampler: Sampler, ok: Callable[[Sample], bool], timeout: float = 5.0) -> Sample:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sample = sampler.latest
+        if sample is not None and ok(sample):
+            return sample
+        time.sleep(0.01)
+    raise AssertionError(f"sampler never got there; last sample: {sampler.latest}")
+
+
+def test_sampler_survives_a_failing_source() -> None:
+    calls = []
+
+    class Flaky:
+        def read(self) -> dict[str, float]:
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError("sensor went away")
+            return {"z": 50.0}
+
+    with Sampler(Flaky(), interval=0.02) as sampler:
+        _wait_for(sampler, lambda s: s.hottest_celsius == 50.0)
+    with pytest.raises(ValueError):
+        Sampler(Flaky(), interval=0)
+
+
+# ----------------------------------------------------------------------------- npu-smi
+
+
+@pytest.mark.parametrize(
+    ("fixture", "expected"),
+    [
+        ("npu_smi_910b_8.txt", {f"npu{i}/chip0": t for i, t in
+                                enumerate([34, 34, 34, 33, 33, 34, 34, 33])}),
+        ("npu_smi_310p3.txt", {"npu6/chip0": 50.0}),
+        ("npu_smi_310p3_x2.txt", {"npu0/chip0": 42.0, "npu1/chip0": 43.0}),
+    ],
+)
+def test_parse_real_npu_smi_tables(fixture: str, expected: dict[str, float]) -> None:
+    assert parse_npu_smi_info((FIXTURES / fixture).read_text()) == expected
+
+
+def test_parse_rejects_other_output() -> None:
+    with pytest.raises(NpuSmiParseError, match="Temp"):
+        parse_npu_smi_info("dcmi module initialize failed. ret is -8005\n")
+
+
+def _fake_npu_smi(tmp_path: Path, body: str) -> Path:
+    """An executable that behaves like `npu-smi info`: prints the table in ./table.txt."""
+    script = tmp_path / "npu-smi"
+    script.write_text(f"#!{sys.executable}\n{body}")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def test_npu_smi_reader_runs_the_tool_and_follows_it(tmp_path: Path) -> None:
+    table = tmp_path / "table.txt"
+    script = _fake_npu_smi(tmp_path, (
+        "import sys, pathlib\n"
+        "assert sys.argv[1:] == ['info'], sys.argv\n"
+        f"print(pathlib.Path({str(table)!r}).read_text())\n"
+    ))
+    text = (FIXTURES / "npu_smi_910b_8.txt").read_text()
+    table.write_text(text)
+    reader = NpuSmiReader([str(script), "info"])
+    assert hottest(reader.read()) == ("npu6/chip0", 34.0)
+    # Heat NPU 3 to 84 °C in the tool's output: the reader follows.
+    table.write_text(text.replace("| 67.2        33  ", "| 67.2        84  "))
+    assert hottest(reader.read()) == ("npu3/chip0", 84.0)
+
+
+def test_npu_smi_failures_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(SensorUnavailableError, match="not found"):
+        NpuSmiReader([str(tmp_path / "no-such-npu-smi"), "info"]).read()
+    failing = _fake_npu_smi(tmp_path, "import sys\nprint('dcmi init failed')\nsys.exit(3)\n")
+    with pytest.raises(SensorUnavailableError, match="exited 3: dcmi init failed"):
+        NpuSmiReader([str(failing), "info"]).read()
+    with pytest.raises(ValueError):
+        NpuSmiReader([])
+
+
+def test_build_source_combines_zones_and_npu_smi(
+    tmp_path: Path, thermal_tree: FakeThermalTree
+) -> None:
+    thermal_tree.zone(0, "soc-thermal", 55.0)
+    script = _fake_npu_smi(tmp_path, (
+        f"print(open({str(FIXTURES / 'npu_smi_310p3.txt')!r}).read())\n"
+    ))
+    settings = SensorSettings(sysfs_root=str(thermal_tree.root), npu_smi=str(script))
+    assert build_source(settings).read() == {"soc-thermal": 55.0, "npu6/chip0": 50.0}
+
+
+def test_composite_keeps_working_sources() -> None:
+    class Broken:
+        def read(self) -> dict[str, float]:
+            raise SensorUnavailableError("npu-smi not found")
+
+    class Fine:
+        def read(self) -> dict[str, float]:
+            return {"ok": 40.0}
+
+    assert CompositeSource([Broken(), Fine()]).read() == {"ok": 40.0}
+
+
+# ----------------------------------------------------------------------------- NVML
+
+
+def test_nvml_absent_is_a_clear_error(tmp_path: Path) -> None:
+    """This machine has no NVIDIA driver: whether nvidia-ml-py is installed or not, NVML must
+    fail at construction with a message that says what is missing."""
+    settings = SensorSettings(sysfs_root=str(tmp_path), nvml=True)
+    with pytest.raises(SensorUnavailableError, match=r"nvidia-ml-py|NVIDIA driver"):
+        build_source(settings)
+
+
+def test_throttle_reason_bits() -> None:
+    assert decode_reasons(0) == ()
+    assert decode_reasons(0x1 | 0x40) == ("gpu_idle", "hw_thermal_slowdown")
+    assert decode_reasons(0x20 | 0x4) == ("sw_power_cap", "sw_thermal_slowdown")
