@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,7 +100,7 @@ def fleet(kube: Kube) -> Callable[..., list[str]]:
 @pytest.fixture
 def namespace(kube: Kube) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
-    kube.core.create_namespace({"metadata": {"name": name}})
+    kube.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     yield name
     kube.core.delete_namespace(name, grace_period_seconds=0)
 
@@ -108,7 +108,7 @@ def namespace(kube: Kube) -> Iterator[str]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
-) -> Iterator[None]:
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     # On failure of a cluster test, attach the components' log tails: the first thing to read.
     if report.failed and "kube" in getattr(item, "fixturenames", ()):

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--no-node", action="store_true", help="control plane + kwok only")
     sub.add_parser("down", help="stop everything and clean up")
     sub.add_parser("status", help="which components run (exit 1 unless all)")
-    sub.add_parser("env", help="print shell exports (eval \"$(python -m tests.cluster env)\")")
+    sub.add_parser("env", help='print shell exports (eval "$(python -m tests.cluster env)")')
     fleet = sub.add_parser("fleet", help="create N kwok nodes over S sites")
     fleet.add_argument("n", type=int)
     fleet.add_argument("--sites", type=int, default=5)

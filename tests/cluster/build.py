@@ -58,7 +58,7 @@ def log(msg: str) -> None:
 
 
 def _fetch(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=60) as resp:  # noqa: S310 - fixed https proxy URL
+    with urllib.request.urlopen(url, timeout=60) as resp:
         return str(resp.read().decode())
 
 
@@ -92,8 +92,13 @@ def version_ldflags(version: str) -> str:
     """Stamp the release version, as the upstream build does (else it reports v0.0.0-master,
     which kubectl, helm and version-skew checks refuse to parse)."""
     major, minor = version.lstrip("v").split(".")[:2]
-    pairs = {"gitVersion": version, "gitMajor": major, "gitMinor": minor,
-             "gitTreeState": "clean", "buildDate": "1970-01-01T00:00:00Z"}
+    pairs = {
+        "gitVersion": version,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitTreeState": "clean",
+        "buildDate": "1970-01-01T00:00:00Z",
+    }
     pkgs = ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
     return " ".join(f"-X {pkg}.{key}={value}" for pkg in pkgs for key, value in pairs.items())
 

@@ -15,8 +15,15 @@ from tests.cluster.node import DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET, Node
 from tests.cluster.paths import bin_dir, kubeconfig_path, state_dir
 from tests.cluster.procs import ProcessTable
 
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok",
-              "containerd", "kubelet")
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kwok",
+    "containerd",
+    "kubelet",
+)
 
 
 class Cluster:
@@ -52,7 +59,11 @@ class Cluster:
         self.procs.stop("kwok")
         self.cp.down()
         # Credentials and ports are per run: the next `up` makes fresh ones (milliseconds).
-        for path in (self.state / "pki", self.state / "endpoints.json", *self.state.glob("*.kubeconfig")):
+        for path in (
+            self.state / "pki",
+            self.state / "endpoints.json",
+            *self.state.glob("*.kubeconfig"),
+        ):
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -81,9 +92,7 @@ class Cluster:
 
     def diagnostics(self) -> str:
         """What a failing test prints: component log tails."""
-        return "\n".join(
-            f"--- {name} ---\n{self.procs.tail(name, 20)}" for name in COMPONENTS
-        )
+        return "\n".join(f"--- {name} ---\n{self.procs.tail(name, 20)}" for name in COMPONENTS)
 
 
 __all__ = ["DEVICE_PLUGIN_DIR", "NODE_NAME", "POD_RESOURCES_SOCKET", "Cluster"]

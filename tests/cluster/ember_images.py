@@ -46,7 +46,10 @@ def _buildah(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _ensure_base_in_buildah() -> None:
     present = subprocess.run(
-        ["buildah", "images", "--format", "{{.Name}}:{{.Tag}}"], capture_output=True, text=True
+        ["buildah", "images", "--format", "{{.Name}}:{{.Tag}}"],
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout.split()
     if BASE_IMAGE not in present and f"localhost/{BASE_IMAGE}" not in present:
         _buildah("pull", "-q", f"docker-archive:{build_base()}")
@@ -64,12 +67,29 @@ def build_image(image: EmberImage) -> Path:
         raise SystemExit("buildah is required to build Ember's images (apt-get install buildah)")
     _ensure_base_in_buildah()
     start = time.monotonic()
-    log(f"building {image.ref} from {image.dockerfile} (the first runtime build compiles llama.cpp)")
+    log(
+        f"building {image.ref} from {image.dockerfile} (the first runtime build compiles llama.cpp)"
+    )
     subprocess.run(
-        ["buildah", "bud", "--quiet", "--layers", "--network", "host",
-         "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", *_ca_secret(),
-         "-f", image.dockerfile, "-t", image.ref, "."],
-        cwd=REPO, check=True, stdout=subprocess.DEVNULL,
+        [
+            "buildah",
+            "bud",
+            "--quiet",
+            "--layers",
+            "--network",
+            "host",
+            "--build-arg",
+            f"BASE_IMAGE={BASE_IMAGE}",
+            *_ca_secret(),
+            "-f",
+            image.dockerfile,
+            "-t",
+            image.ref,
+            ".",
+        ],
+        cwd=REPO,
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     out = images_dir() / f"{image.name}.tar"
     out.unlink(missing_ok=True)

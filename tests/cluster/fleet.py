@@ -12,35 +12,46 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
+from kubernetes import client, utils
 
 from tests.cluster.control_plane import ControlPlane
 from tests.cluster.procs import ProcessTable, free_port
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 SIM_TAINT = {"key": "ember.dev/simulated", "value": "true", "effect": "NoSchedule"}
-SIM_TOLERATION = {"key": "ember.dev/simulated", "operator": "Equal", "value": "true",
-                  "effect": "NoSchedule"}
+SIM_TOLERATION = {
+    "key": "ember.dev/simulated",
+    "operator": "Equal",
+    "value": "true",
+    "effect": "NoSchedule",
+}
 FLEET_LABEL = "ember.dev/fleet"
 
 
 def start_kwok(cp: ControlPlane, procs: ProcessTable) -> None:
     if procs.running("kwok"):
         return
-    procs.start("kwok", [
-        str(cp.bins / "kwok"), f"--kubeconfig={cp.admin_kubeconfig}",
-        "--manage-all-nodes=false",
-        f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
-        "--cidr=10.250.0.0/16", "--node-ip=10.249.0.1",
-        f"--server-address=127.0.0.1:{free_port()}",
-        "--node-lease-duration-seconds=40",
-    ])
+    procs.start(
+        "kwok",
+        [
+            str(cp.bins / "kwok"),
+            f"--kubeconfig={cp.admin_kubeconfig}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
+            "--cidr=10.250.0.0/16",
+            "--node-ip=10.249.0.1",
+            f"--server-address=127.0.0.1:{free_port()}",
+            "--node-lease-duration-seconds=40",
+        ],
+    )
 
 
 def node_manifest(name: str, site: str, accelerator: str = "npu") -> dict[str, Any]:
     resources = {
-        "cpu": "8", "memory": "32Gi", "pods": "110", "ember.dev/npu": "8",
+        "cpu": "8",
+        "memory": "32Gi",
+        "pods": "110",
+        "ember.dev/npu": "8",
         "nvidia.com/gpu": "1" if accelerator == "nvidia-gpu" else "0",
     }
     return {
@@ -65,13 +76,12 @@ def node_manifest(name: str, site: str, accelerator: str = "npu") -> dict[str, A
 
 
 def create_nodes(api: client.ApiClient, manifests: Iterable[dict[str, Any]]) -> list[str]:
-    core = client.CoreV1Api(api)
-
     def create(body: dict[str, Any]) -> str:
         try:
-            core.create_node(body)
-        except ApiException as exc:
-            if exc.status != 409:  # already there: the fleet is idempotent
+            utils.create_from_dict(api, body)
+        except utils.FailToCreateError as exc:
+            # Already there is fine: the fleet is idempotent.
+            if any(e.status != 409 for e in exc.api_exceptions):
                 raise
         return str(body["metadata"]["name"])
 

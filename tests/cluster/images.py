@@ -61,9 +61,7 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_docker_archive(
-    layer_tar: Path, out: Path, ref: str, config: dict[str, object]
-) -> Path:
+def write_docker_archive(layer_tar: Path, out: Path, ref: str, config: dict[str, object]) -> Path:
     """Wrap one uncompressed layer tar into a docker-archive that `ctr images import` names."""
     diff_id = "sha256:" + _sha256_file(layer_tar)
     image_config = {
@@ -78,7 +76,10 @@ def write_docker_archive(
     manifest = [{"Config": config_name, "RepoTags": [ref], "Layers": ["layer.tar"]}]
     tmp = out.with_suffix(".partial")
     with tarfile.open(tmp, "w") as tar:
-        for name, data in ((config_name, config_bytes), ("manifest.json", json.dumps(manifest).encode())):
+        for name, data in (
+            (config_name, config_bytes),
+            ("manifest.json", json.dumps(manifest).encode()),
+        ):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -106,8 +107,12 @@ def build_pause() -> Path:
 def _debootstrap(rootfs: Path) -> None:
     log(f"debootstrap {DEBIAN_SUITE} ({', '.join(BASE_PACKAGES)}) — a few minutes, once")
     cmd = [
-        "debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
-        DEBIAN_SUITE, str(rootfs), DEBIAN_MIRROR,
+        "debootstrap",
+        "--variant=minbase",
+        f"--include={','.join(BASE_PACKAGES)}",
+        DEBIAN_SUITE,
+        str(rootfs),
+        DEBIAN_MIRROR,
     ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     # Slim the layer: apt lists, caches and docs are not needed at run time.

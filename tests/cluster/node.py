@@ -52,10 +52,12 @@ class Node:
             "containerd": {
                 "snapshotter": os.environ.get("EMBER_SNAPSHOTTER", "overlayfs"),
                 "default_runtime_name": "runc",
-                "runtimes": {"runc": {
-                    "runtime_type": "io.containerd.runc.v2",
-                    "options": {"SystemdCgroup": False},
-                }},
+                "runtimes": {
+                    "runc": {
+                        "runtime_type": "io.containerd.runc.v2",
+                        "options": {"SystemdCgroup": False},
+                    }
+                },
             },
             "cni": {"bin_dir": str(CNI_BIN), "conf_dir": str(self.state / "net.d")},
         }
@@ -65,8 +67,10 @@ class Node:
             "state": str(RUN_DIR / "containerd-state"),
             "grpc": {"address": str(self.containerd_sock)},
             "disabled_plugins": [
-                "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-                "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper",
+                "io.containerd.snapshotter.v1.aufs",
+                "io.containerd.snapshotter.v1.btrfs",
+                "io.containerd.snapshotter.v1.zfs",
+                "io.containerd.snapshotter.v1.devmapper",
             ],
             "plugins": {"io.containerd.grpc.v1.cri": cri},
         }
@@ -80,13 +84,21 @@ class Node:
         conf = {
             "cniVersion": "1.0.0",
             "name": "ember",
-            "plugins": [{
-                "type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False,
-                "hairpinMode": True,
-                "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_CIDR}]],
-                         "routes": [{"dst": "0.0.0.0/0"}],
-                         "dataDir": str(RUN_DIR / "cni-ipam")},
-            }],
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": BRIDGE,
+                    "isGateway": True,
+                    "ipMasq": False,
+                    "hairpinMode": True,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": POD_CIDR}]],
+                        "routes": [{"dst": "0.0.0.0/0"}],
+                        "dataDir": str(RUN_DIR / "cni-ipam"),
+                    },
+                }
+            ],
         }
         (net_d / "10-ember.conflist").write_text(json.dumps(conf, indent=2))
 
@@ -99,8 +111,12 @@ class Node:
         self._cni_config()
         config = self._containerd_config()
         self.procs.start("containerd", ["containerd", "--config", str(config)])
-        wait_for("containerd socket", lambda: self.ctr("version").returncode == 0, timeout=30,
-                 on_fail=self.procs.tail("containerd"))
+        wait_for(
+            "containerd socket",
+            lambda: self.ctr("version").returncode == 0,
+            timeout=30,
+            on_fail=self.procs.tail("containerd"),
+        )
 
     def import_images(self) -> None:
         present = self.ctr("images", "ls", "-q").stdout.split()
@@ -116,10 +132,16 @@ class Node:
     # -- kubelet -------------------------------------------------------------------------
     def _kubelet_config(self) -> Path:
         cp = self.cp
-        serving_crt, serving_key = cp.pki.issue(CertSpec(
-            name="kubelet-serving", common_name=NODE_NAME, server=True, client=False,
-            dns_names=(NODE_NAME, "localhost"), ips=("127.0.0.1", HOST_IP),
-        ))
+        serving_crt, serving_key = cp.pki.issue(
+            CertSpec(
+                name="kubelet-serving",
+                common_name=NODE_NAME,
+                server=True,
+                client=False,
+                dns_names=(NODE_NAME, "localhost"),
+                ips=("127.0.0.1", HOST_IP),
+            )
+        )
         self.healthz_port = free_port()
         config = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -144,8 +166,12 @@ class Node:
             "resolvConf": "/etc/resolv.conf",
             "clusterDomain": "cluster.local",
             # The disk is shared with the rest of the machine: never evict test pods for it.
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
-                             "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
+            "evictionHard": {
+                "memory.available": "100Mi",
+                "nodefs.available": "1%",
+                "imagefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+            },
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
             "nodeStatusUpdateFrequency": "5s",
@@ -162,11 +188,19 @@ class Node:
             return
         kubeconfig = self.cp.kubeconfig("kubelet", f"system:node:{NODE_NAME}", "system:nodes")
         config = self._kubelet_config()
-        self.procs.start("kubelet", [
-            str(self.cp.bins / "kubelet"), f"--config={config}", f"--kubeconfig={kubeconfig}",
-            f"--hostname-override={NODE_NAME}", f"--node-ip={HOST_IP}",
-            f"--root-dir={KUBELET_ROOT}", "--node-labels=ember.dev/local-node=true", "--v=1",
-        ])
+        self.procs.start(
+            "kubelet",
+            [
+                str(self.cp.bins / "kubelet"),
+                f"--config={config}",
+                f"--kubeconfig={kubeconfig}",
+                f"--hostname-override={NODE_NAME}",
+                f"--node-ip={HOST_IP}",
+                f"--root-dir={KUBELET_ROOT}",
+                "--node-labels=ember.dev/local-node=true",
+                "--v=1",
+            ],
+        )
 
     def restart_kubelet(self) -> None:
         """Stop and start the kubelet (it recreates kubelet.sock; device plugins re-register)."""
@@ -184,8 +218,12 @@ class Node:
         self.start_containerd()
         self.import_images()
         self.start_kubelet()
-        wait_for(f"node {NODE_NAME} Ready", self.node_ready, timeout=120,
-                 on_fail=self.procs.tail("kubelet", 60))
+        wait_for(
+            f"node {NODE_NAME} Ready",
+            self.node_ready,
+            timeout=120,
+            on_fail=self.procs.tail("kubelet", 60),
+        )
         log(f"node {NODE_NAME} Ready")
 
     # -- teardown ------------------------------------------------------------------------

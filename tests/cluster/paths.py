@@ -14,7 +14,9 @@ def cache_root() -> Path:
 def bin_dir() -> Path:
     from tests.cluster.build import HELM_VERSION, KUBERNETES_VERSION, KWOK_VERSION
 
-    return cache_root() / "bin" / f"k8s-{KUBERNETES_VERSION}_kwok-{KWOK_VERSION}_helm-{HELM_VERSION}"
+    return (
+        cache_root() / "bin" / f"k8s-{KUBERNETES_VERSION}_kwok-{KWOK_VERSION}_helm-{HELM_VERSION}"
+    )
 
 
 def state_dir() -> Path:

@@ -60,7 +60,7 @@ class ProcessTable:
         if existing is not None:
             return existing
         with self.log_path(name).open("ab") as log:
-            proc = subprocess.Popen(  # noqa: S603 - argv is built by this module, no shell
+            proc = subprocess.Popen(
                 list(argv),
                 stdout=log,
                 stderr=subprocess.STDOUT,

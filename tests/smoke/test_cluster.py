@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -10,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client, watch
+from kubernetes import client, utils
 
 from tests.cluster.fleet import SIM_TOLERATION
 from tests.conftest import Kube, NodeHandle
@@ -23,17 +22,26 @@ WIDGET_CRD = {
         "group": "smoke.ember.dev",
         "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
         "scope": "Namespaced",
-        "versions": [{
-            "name": "v1", "served": True, "storage": True,
-            "subresources": {"status": {}},
-            "schema": {"openAPIV3Schema": {
-                "type": "object",
-                "properties": {
-                    "spec": {"type": "object", "properties": {"size": {"type": "integer"}}},
-                    "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {"type": "object", "properties": {"size": {"type": "integer"}}},
+                            "status": {
+                                "type": "object",
+                                "x-kubernetes-preserve-unknown-fields": True,
+                            },
+                        },
+                    }
                 },
-            }},
-        }],
+            }
+        ],
     },
 }
 
@@ -49,17 +57,16 @@ def wait_until(what: str, check: Callable[[], bool], timeout: float = 60) -> Non
 
 def crd_established(kube: Kube, name: str) -> bool:
     crd = client.ApiextensionsV1Api(kube.api).read_custom_resource_definition(name)
-    conds = crd.status.conditions or []
+    conds = (crd.status.conditions if crd.status else None) or []
     return any(c.type == "Established" and c.status == "True" for c in conds)
 
 
 @pytest.fixture(scope="module")
 def widget_crd(kube: Kube) -> str:
-    ext = client.ApiextensionsV1Api(kube.api)
     try:
-        ext.create_custom_resource_definition(WIDGET_CRD)
-    except client.ApiException as exc:
-        assert exc.status == 409
+        utils.create_from_dict(kube.api, WIDGET_CRD)
+    except utils.FailToCreateError as exc:
+        assert all(e.status == 409 for e in exc.api_exceptions)
     wait_until("Widget CRD Established", lambda: crd_established(kube, "widgets.smoke.ember.dev"))
     return "widgets.smoke.ember.dev"
 
@@ -69,7 +76,7 @@ def test_crd_becomes_established(widget_crd: str, kube: Kube) -> None:
     assert "widgets" in kube.kubectl("api-resources", "--api-group=smoke.ember.dev")
 
 
-OPERATOR = '''
+OPERATOR = """
 import kopf
 
 @kopf.on.startup()
@@ -80,53 +87,88 @@ def configure(settings, **_):
 @kopf.on.create("smoke.ember.dev", "v1", "widgets")
 def created(spec, patch, **_):
     patch.status["doubled"] = spec.get("size", 0) * 2
-'''
+"""
 
 
-def test_kopf_operator_round_trip(widget_crd: str, kube: Kube, namespace: str, tmp_path: Any) -> None:
+def test_kopf_operator_round_trip(
+    widget_crd: str, kube: Kube, namespace: str, tmp_path: Any
+) -> None:
     from kopf.testing import KopfRunner
 
     script = tmp_path / "op.py"
     script.write_text(OPERATOR)
     custom = client.CustomObjectsApi(kube.api)
-    body = {"apiVersion": "smoke.ember.dev/v1", "kind": "Widget",
-            "metadata": {"name": "w1"}, "spec": {"size": 21}}
+    body = {
+        "apiVersion": "smoke.ember.dev/v1",
+        "kind": "Widget",
+        "metadata": {"name": "w1"},
+        "spec": {"size": 21},
+    }
     args = ["run", "--standalone", f"--namespace={namespace}", str(script)]
     with KopfRunner(args) as runner:
         custom.create_namespaced_custom_object("smoke.ember.dev", "v1", namespace, "widgets", body)
 
         def doubled() -> bool:
-            obj = custom.get_namespaced_custom_object(
-                "smoke.ember.dev", "v1", namespace, "widgets", "w1")
-            return obj.get("status", {}).get("created", {}) is not None and \
-                obj.get("status", {}).get("doubled") == 42
+            obj: dict[str, Any] = custom.get_namespaced_custom_object(  # type: ignore[assignment]
+                "smoke.ember.dev", "v1", namespace, "widgets", "w1"
+            )
+            return bool(obj.get("status", {}).get("doubled") == 42)
 
         wait_until("the operator to patch status.doubled", doubled, timeout=30)
         custom.delete_namespaced_custom_object("smoke.ember.dev", "v1", namespace, "widgets", "w1")
-        wait_until("the finalizer to release the object", lambda: not custom.list_namespaced_custom_object(
-            "smoke.ember.dev", "v1", namespace, "widgets")["items"], timeout=30)
+        wait_until(
+            "the finalizer to release the object",
+            lambda: not widgets(custom, namespace),
+            timeout=30,
+        )
     assert runner.exit_code == 0, runner.output
     assert runner.exception is None
     assert "Traceback" not in runner.output
 
 
+def widgets(custom: client.CustomObjectsApi, namespace: str) -> list[Any]:
+    listing: dict[str, Any] = custom.list_namespaced_custom_object(  # type: ignore[assignment]
+        "smoke.ember.dev", "v1", namespace, "widgets"
+    )
+    return list(listing["items"])
+
+
+def pod_status(kube: Kube, namespace: str, name: str) -> client.V1PodStatus:
+    status = kube.core.read_namespaced_pod(name, namespace).status
+    assert status is not None
+    return status
+
+
 def pod_phase(kube: Kube, namespace: str, name: str) -> str:
-    return str(kube.core.read_namespaced_pod(name, namespace).status.phase)
+    return str(pod_status(kube, namespace, name).phase)
 
 
 def test_pod_runs_to_completion_on_real_node(node: NodeHandle, kube: Kube, namespace: str) -> None:
     pod = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hello"},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "hello"},
         "spec": {
-            "nodeName": node.name, "restartPolicy": "Never",
-            "containers": [{
-                "name": "main", "image": node.base_image, "imagePullPolicy": "Never",
-                "command": ["python3", "-c", "import platform; print('hello from', platform.python_version())"],
-            }],
+            "nodeName": node.name,
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": node.base_image,
+                    "imagePullPolicy": "Never",
+                    "command": [
+                        "python3",
+                        "-c",
+                        "import platform; print('hello from', platform.python_version())",
+                    ],
+                }
+            ],
         },
     }
-    kube.core.create_namespaced_pod(namespace, pod)
-    wait_until("pod hello Succeeded", lambda: pod_phase(kube, namespace, "hello") == "Succeeded", 90)
+    utils.create_from_dict(kube.api, pod, namespace=namespace)
+    wait_until(
+        "pod hello Succeeded", lambda: pod_phase(kube, namespace, "hello") == "Succeeded", 90
+    )
     logs = kube.core.read_namespaced_pod_log("hello", namespace)
     assert logs.startswith("hello from 3.")
 
@@ -145,26 +187,41 @@ MAIN = SIDECAR.replace("'sidecar up'", "open('/work/ready').read()")
 def test_init_and_native_sidecar(node: NodeHandle, kube: Kube, namespace: str) -> None:
     image = {"image": node.base_image, "imagePullPolicy": "Never"}
     pod = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sidecar"},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "sidecar"},
         "spec": {
-            "nodeName": node.name, "terminationGracePeriodSeconds": 30,
+            "nodeName": node.name,
+            "terminationGracePeriodSeconds": 30,
             "initContainers": [
-                {"name": "init", **image, "command": ["sh", "-c", "echo prepared > /work/ready"],
-                 "volumeMounts": [{"name": "work", "mountPath": "/work"}]},
-                {"name": "side", **image, "restartPolicy": "Always",
-                 "command": ["python3", "-c", SIDECAR]},
+                {
+                    "name": "init",
+                    **image,
+                    "command": ["sh", "-c", "echo prepared > /work/ready"],
+                    "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+                },
+                {
+                    "name": "side",
+                    **image,
+                    "restartPolicy": "Always",
+                    "command": ["python3", "-c", SIDECAR],
+                },
             ],
-            "containers": [{
-                "name": "main", **image, "volumeMounts": [{"name": "work", "mountPath": "/work"}],
-                "command": ["python3", "-c", MAIN],
-            }],
+            "containers": [
+                {
+                    "name": "main",
+                    **image,
+                    "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+                    "command": ["python3", "-c", MAIN],
+                }
+            ],
             "volumes": [{"name": "work", "emptyDir": {"medium": "Memory"}}],
         },
     }
-    kube.core.create_namespaced_pod(namespace, pod)
+    utils.create_from_dict(kube.api, pod, namespace=namespace)
 
     def all_running() -> bool:
-        status = kube.core.read_namespaced_pod("sidecar", namespace).status
+        status = pod_status(kube, namespace, "sidecar")
         states = (status.init_container_statuses or []) + (status.container_statuses or [])
         running = {s.name for s in states if s.state and s.state.running}
         return running >= {"side", "main"}
@@ -180,7 +237,7 @@ def test_init_and_native_sidecar(node: NodeHandle, kube: Kube, namespace: str) -
         try:
             kube.core.read_namespaced_pod("sidecar", namespace)
         except client.ApiException as exc:
-            return exc.status == 404
+            return bool(exc.status == 404)
         return False
 
     wait_until("pod deletion", gone, 60)
@@ -203,6 +260,7 @@ def test_fleet_of_200_nodes_takes_a_200_replica_deployment(
         return sum(
             any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))
             for n in nodes
+            if n.status
         )
 
     wait_until("200 kwok nodes Ready", lambda: ready_nodes() >= 200, 120)
@@ -216,21 +274,22 @@ spec:
   template:
     metadata: {{labels: {{app: spread}}}}
     spec:
-      tolerations: [{{key: {SIM_TOLERATION['key']}, operator: Equal, value: "true", effect: NoSchedule}}]
+      tolerations:
+      - {{key: {SIM_TOLERATION["key"]}, operator: Equal, value: "true", effect: NoSchedule}}
       nodeSelector: {{ember.dev/fleet: "true"}}
       topologySpreadConstraints:
       - {{maxSkew: 1, topologyKey: kubernetes.io/hostname, whenUnsatisfiable: DoNotSchedule,
          labelSelector: {{matchLabels: {{app: spread}}}}}}
       containers: [{{name: c, image: fake, resources: {{requests: {{cpu: 10m}}}}}}]
 """)
-    client.AppsV1Api(kube.api).create_namespaced_deployment(namespace, deployment)
+    utils.create_from_dict(kube.api, deployment, namespace=namespace)
 
     def ready_replicas() -> int:
         dep = client.AppsV1Api(kube.api).read_namespaced_deployment("spread", namespace)
-        return int(dep.status.ready_replicas or 0)
+        return int(dep.status.ready_replicas or 0) if dep.status else 0
 
     wait_until("200 replicas Ready", lambda: ready_replicas() == 200, 180)
     pods = kube.core.list_namespaced_pod(namespace, label_selector="app=spread").items
-    per_node = Counter(p.spec.node_name for p in pods)
+    per_node = Counter(str(p.spec.node_name) for p in pods if p.spec)
     assert len(per_node) == 200, per_node.most_common(3)
     assert all(name.startswith("kwok-") for name in per_node)

@@ -1,0 +1,89 @@
+"""`make e2e-kind`: the same flow as `make e2e`, on a kind cluster (needs Docker and kind).
+
+Only what differs lives here: images are built with `docker build` and loaded with
+`kind load`, and the model is copied into the kind node's filesystem. It cannot run on the
+project's own CI machine (no Docker engine there); every other step is tests/e2e/flow.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.cluster.ember_images import IMAGES, REGISTRY, TAG
+from tests.e2e.flow import MODEL_FILE, REPO, Flow, step, timed
+
+CLUSTER = "ember-e2e"
+NODE = f"{CLUSTER}-control-plane"
+
+
+def _run(*cmd: str) -> None:
+    subprocess.run(cmd, check=True)
+
+
+class KindTarget:
+    def __init__(self) -> None:
+        self.kubeconfig = Path(tempfile.mkdtemp()) / "kubeconfig"
+
+    def create(self) -> None:
+        config = REPO / "tests" / "e2e" / "kind-config.yaml"
+        _run(
+            "kind",
+            "create",
+            "cluster",
+            "--name",
+            CLUSTER,
+            "--config",
+            str(config),
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--wait",
+            "120s",
+        )
+
+    def load_images(self) -> dict[str, str]:
+        for image in IMAGES:
+            _run("docker", "build", "-f", str(REPO / image.dockerfile), "-t", image.ref, str(REPO))
+            _run("kind", "load", "docker-image", image.ref, "--name", CLUSTER)
+        return {"image.registry": REGISTRY, "image.tag": TAG, "image.pullPolicy": "Never"}
+
+    def place_model(self, src: Path, dest_dir: Path) -> None:
+        _run("docker", "exec", NODE, "mkdir", "-p", str(dest_dir))
+        _run("docker", "cp", str(src), f"{NODE}:{dest_dir / MODEL_FILE}")
+        _run("docker", "exec", NODE, "chmod", "-R", "a+rX", str(dest_dir))
+
+    def helm_values(self) -> list[str]:
+        return []
+
+
+def main() -> int:
+    for tool in ("docker", "kind", "helm", "kubectl"):
+        if shutil.which(tool) is None:
+            print(f"make e2e-kind needs {tool} on PATH", file=sys.stderr)
+            return 2
+    target = KindTarget()
+    with timed(f"kind create cluster {CLUSTER}"):
+        target.create()
+    flow = Flow(target, helm="helm", kubectl="kubectl")
+    try:
+        flow.install()
+        flow.apply(flow.model_manifest("gemma", "default"))
+        flow.wait_ready("gemma", "default")
+        with flow.port_forward("gemma", "default", 8080) as port:
+            text = flow.chat(port, "Name one primary colour.", lambda t: None)
+        assert text.strip(), "empty completion"
+        flow.uninstall()
+        step("e2e-kind passed")
+        return 0
+    except Exception:
+        print(flow.dump("default"), file=sys.stderr)
+        raise
+    finally:
+        _run("kind", "delete", "cluster", "--name", CLUSTER)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
