@@ -81,10 +81,12 @@ def _lines(api: ApiClient, url_path: str, rv: str, seconds: int) -> Iterator[dic
                 yield json.loads(line)
 
 
-def count_writes(api: ApiClient, ns: str, kinds: list[str], seconds: int) -> list[str]:
+def count_writes(
+    api: ApiClient, ns: str, kinds: list[str], seconds: int, sink: list[str] | None = None
+) -> list[str]:
     """Every ADDED/MODIFIED/DELETED of `kinds` in `ns` during `seconds`: each is one write that
-    bumped a resourceVersion (no-op requests never reach a watch)."""
-    seen: list[str] = []
+    bumped a resourceVersion (no-op requests never reach a watch). `sink` fills as events come."""
+    seen: list[str] = [] if sink is None else sink
     lock = threading.Lock()
 
     def follow(kind: str) -> None:

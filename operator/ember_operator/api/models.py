@@ -1,0 +1,456 @@
+"""The InferenceDeployment API as pydantic v2 models: the single source of truth.
+
+`crdgen` turns these models into the CRD's OpenAPI v3 schema (descriptions, defaults, enums,
+bounds and the CEL rules in `x-kubernetes-validations`), and the operator parses every object it
+receives with them, so the API server and the operator can never disagree about the shape.
+CEL rules are attached with `json_schema_extra` next to the fields they guard; every rule carries a
+message written for the person running `kubectl apply`, not for the operator's author.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+# The API server's own Quantity grammar (k8s.io/apimachinery resource.Quantity).
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+_QUANTITY_RE = re.compile(QUANTITY_PATTERN)
+QUANTITY_SCHEMA: dict[str, Any] = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "pattern": QUANTITY_PATTERN,
+    "x-kubernetes-int-or-string": True,
+}
+
+
+def _check_quantity(value: int | str) -> str:
+    text = str(value)
+    if not _QUANTITY_RE.match(text):
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 512Mi, 2Gi, 500m)")
+    return text
+
+
+# Accepts 512Mi or a bare integer like the API server does; always a string once parsed.
+Quantity = Annotated[int | str, AfterValidator(_check_quantity), WithJsonSchema(QUANTITY_SCHEMA)]
+
+
+def cel(rule: str, message: str, **extra: str) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry; a message is mandatory so users read English."""
+    return {"rule": rule, "message": message, **extra}
+
+
+def rules(*entries: dict[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(entries)}
+
+
+# Nested objects default to {} so the API server fills their own defaults (and CEL sees them)
+# even when the user leaves the whole block out.
+OBJECT_DEFAULT: dict[str, Any] = {"default": {}}
+
+
+class Wire(BaseModel):
+    """camelCase on the wire like every Kubernetes object; snake_case in Python."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+# ----------------------------------------------------------------------------- enums
+
+
+class ModelFormat(StrEnum):
+    GGUF = "gguf"
+    TRTLLM_ENGINE = "trtllm-engine"
+
+
+class EngineKind(StrEnum):
+    LLAMACPP = "llamacpp"
+    TENSORRT_LLM = "tensorrt-llm"
+
+
+class AcceleratorKind(StrEnum):
+    CPU = "cpu"
+    NVIDIA_GPU = "nvidia-gpu"
+    NPU = "npu"
+
+
+class ThermalPolicy(StrEnum):
+    ADAPTIVE = "adaptive"
+    OFF = "off"
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class HostPathSource(Wire):
+    path: str = Field(
+        max_length=4096,
+        description="Absolute directory on the node holding the model files (the node-local "
+        "model cache; the edge default).",
+        json_schema_extra=rules(
+            cel("self.startsWith('/')", "model.source.hostPath.path must be an absolute path")
+        ),
+    )
+
+
+class PvcSource(Wire):
+    claim_name: str = Field(
+        min_length=1, max_length=253, description="PersistentVolumeClaim in the same namespace."
+    )
+    sub_path: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="Directory inside the volume that holds the model files.",
+        json_schema_extra=rules(
+            cel(
+                "!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",
+                "model.source.pvc.subPath must be relative and must not contain '..'",
+            )
+        ),
+    )
+
+
+class ImageSource(Wire):
+    reference: str = Field(
+        min_length=1, max_length=1024, description="OCI image whose filesystem holds the files."
+    )
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Pull policy for the model image."
+    )
+
+
+_ONE_SOURCE = cel(
+    "[has(self.hostPath), has(self.pvc), has(self.image)].filter(x, x).size() == 1",
+    "model.source must set exactly one of hostPath, pvc or image",
+)
+
+
+class ModelSource(Wire):
+    """Where the model's files come from; exactly one member is set."""
+
+    model_config = ConfigDict(json_schema_extra=rules(_ONE_SOURCE))
+
+    host_path: HostPathSource | None = Field(default=None, description="Node-local directory.")
+    pvc: PvcSource | None = Field(default=None, description="A PersistentVolumeClaim.")
+    image: ImageSource | None = Field(default=None, description="An OCI image volume.")
+
+
+class ModelFile(Wire):
+    path: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Path of the file relative to the source directory.",
+        json_schema_extra=rules(
+            cel(
+                "!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",
+                "model.files[].path must be a relative path without '..' components",
+            )
+        ),
+    )
+    sha256: str = Field(
+        max_length=64,
+        description="Lowercase hex SHA-256 of the file; prewarm refuses a file that differs.",
+        json_schema_extra=rules(
+            cel(
+                "self.matches('^[0-9a-f]{64}$')",
+                "model.files[].sha256 must be exactly 64 lowercase hexadecimal characters",
+            )
+        ),
+    )
+    size_bytes: int = Field(ge=1, description="Size of the file in bytes.")
+
+
+class ModelSpec(Wire):
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "self.format != 'gguf' || self.files.exists(f, f.path.endsWith('.gguf'))",
+                "a gguf model must list at least one file ending in .gguf",
+            )
+        )
+    )
+
+    name: str = Field(
+        min_length=1, max_length=253, description="Model name served to clients (OpenAI `model`)."
+    )
+    format: ModelFormat = Field(default=ModelFormat.GGUF, description="On-disk format.")
+    source: ModelSource = Field(description="Where the files come from.")
+    files: list[ModelFile] = Field(
+        min_length=1, max_length=64, description="Every file of the model, verified by prewarm."
+    )
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+class EngineSpec(Wire):
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "self.minBatchSize <= self.maxBatchSize",
+                "engine.minBatchSize must be less than or equal to engine.maxBatchSize",
+            ),
+            cel(
+                "!has(self.threads) || self.kind == 'llamacpp'",
+                "engine.threads only applies to the llamacpp engine",
+            ),
+        )
+    )
+
+    kind: EngineKind = Field(default=EngineKind.LLAMACPP, description="Inference engine.")
+    context_length: int = Field(
+        default=2048, ge=64, le=1_048_576, description="Context window in tokens."
+    )
+    max_batch_size: int = Field(
+        default=16, ge=1, le=256, description="Largest batch the thermal controller may allow."
+    )
+    min_batch_size: int = Field(
+        default=4, ge=1, le=256, description="Smallest batch the thermal controller may shrink to."
+    )
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="llamacpp threads; by default derived from the runtime container's CPU limit.",
+    )
+    args: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Extra engine arguments, passed through verbatim (e.g. n_batch: '512').",
+    )
+
+
+# ----------------------------------------------------------------------------- accelerator
+
+
+class AcceleratorSpec(Wire):
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "self.kind == 'cpu' || self.count >= 1",
+                "accelerator.count must be at least 1 for nvidia-gpu and npu",
+            )
+        )
+    )
+
+    kind: AcceleratorKind = Field(default=AcceleratorKind.CPU, description="Accelerator type.")
+    count: int = Field(
+        default=1,
+        ge=0,
+        le=16,
+        description="Devices per replica (nvidia.com/gpu or ember.dev/npu); ignored for cpu.",
+    )
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+class Toleration(Wire):
+    key: str | None = Field(default=None, max_length=317, description="Taint key.")
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Match rule.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate; empty tolerates all."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="For NoExecute: how long the pod stays bound."
+    )
+
+
+class PlacementSpec(Wire):
+    sites: list[Annotated[str, Field(min_length=1, max_length=63)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Sites (node label ember.dev/site) to run on; replicas spread across them. "
+        "Empty: any node, still spread by site and node where labels exist.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, max_length=32, description="Extra node labels the pods require."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Tolerations for the pods."
+    )
+
+
+# ----------------------------------------------------------------------------- prewarm, thermal
+
+
+class PrewarmSpec(Wire):
+    enabled: bool = Field(
+        default=True,
+        description="Verify and load the model into a memory-backed volume before serving.",
+    )
+    shared_memory_limit: Quantity | None = Field(
+        default=None,
+        description="Size of the memory-backed volume; must cover the sum of the file sizes. "
+        "Default: the total file size plus 64Mi.",
+    )
+
+
+class ThermalSpec(Wire):
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "self.criticalCelsius > self.throttleCelsius",
+                "thermal.criticalCelsius must be greater than thermal.throttleCelsius",
+            )
+        )
+    )
+
+    policy: ThermalPolicy = Field(default=ThermalPolicy.ADAPTIVE, description="Thermal policy.")
+    throttle_celsius: int = Field(
+        default=78, ge=30, le=130, description="Above this the batch size shrinks."
+    )
+    critical_celsius: int = Field(
+        default=90, ge=30, le=130, description="Above this the replica stops taking work."
+    )
+    celsius_per_step: int = Field(
+        default=2, ge=1, le=20, description="Degrees per batch-size step."
+    )
+    critical_for_seconds: int = Field(
+        default=60, ge=1, le=3600, description="How long critical must last before acting."
+    )
+
+
+# ----------------------------------------------------------------------------- server
+
+
+class SecretKeyRef(Wire):
+    name: str = Field(min_length=1, max_length=253, description="Secret in the same namespace.")
+    key: str = Field(min_length=1, max_length=253, description="Key within the Secret.")
+
+
+class ServerSpec(Wire):
+    port: int = Field(default=8080, ge=1024, le=65535, description="HTTP port (non-root: >1023).")
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None, description="Secret key holding the API key clients must send."
+    )
+
+
+class ResourceRequirements(Wire):
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Resource requests.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits.")
+
+
+# ----------------------------------------------------------------------------- spec
+
+
+_SPEC_RULES = rules(
+    cel(
+        "self.engine.kind != 'tensorrt-llm' || self.accelerator.kind == 'nvidia-gpu'",
+        "engine.kind tensorrt-llm requires accelerator.kind nvidia-gpu",
+    ),
+    cel(
+        "self.model.format != 'trtllm-engine' || self.engine.kind == 'tensorrt-llm'",
+        "model.format trtllm-engine requires engine.kind tensorrt-llm",
+    ),
+    cel(
+        "self.model.format != 'gguf' || self.engine.kind == 'llamacpp'",
+        "model.format gguf requires engine.kind llamacpp",
+    ),
+)
+
+
+class InferenceDeploymentSpec(Wire):
+    model_config = ConfigDict(json_schema_extra=_SPEC_RULES)
+
+    replicas: int = Field(default=1, ge=0, le=1000, description="Number of serving pods.")
+    model: ModelSpec = Field(description="The model to serve.")
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec, description="Engine settings.", json_schema_extra=OBJECT_DEFAULT
+    )
+    accelerator: AcceleratorSpec = Field(
+        default_factory=AcceleratorSpec,
+        description="Accelerator per replica.",
+        json_schema_extra=OBJECT_DEFAULT,
+    )
+    placement: PlacementSpec = Field(
+        default_factory=PlacementSpec,
+        description="Where the replicas run.",
+        json_schema_extra=OBJECT_DEFAULT,
+    )
+    prewarm: PrewarmSpec = Field(
+        default_factory=PrewarmSpec,
+        description="Model prewarming.",
+        json_schema_extra=OBJECT_DEFAULT,
+    )
+    thermal: ThermalSpec = Field(
+        default_factory=ThermalSpec,
+        description="Thermal control.",
+        json_schema_extra=OBJECT_DEFAULT,
+    )
+    server: ServerSpec = Field(
+        default_factory=ServerSpec, description="HTTP server.", json_schema_extra=OBJECT_DEFAULT
+    )
+    resources: ResourceRequirements | None = Field(
+        default=None,
+        description="Runtime container resources; by default sized from the model so pods are "
+        "neither OOM-killed nor starved.",
+    )
+    image: str | None = Field(
+        default=None, max_length=1024, description="Runtime image; default from the operator."
+    )
+
+
+# ----------------------------------------------------------------------------- status
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(Wire):
+    type: str = Field(description="Ready, Progressing or Degraded.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason for the last transition.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: str | None = Field(
+        default=None,
+        description="When the status last changed (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    observed_generation: int | None = Field(
+        default=None, description="The .metadata.generation the condition was computed for."
+    )
+
+
+class ReplicaStatus(Wire):
+    pod: str = Field(description="Pod name.")
+    node: str | None = Field(default=None, description="Node the pod runs on.")
+    phase: str | None = Field(default=None, description="Pod phase.")
+    temperature_celsius: float | None = Field(
+        default=None, description="Last accelerator temperature (thermal control fills it)."
+    )
+    max_batch_size: int | None = Field(
+        default=None, description="Batch size currently allowed (thermal control fills it)."
+    )
+
+
+class InferenceDeploymentStatus(Wire):
+    observed_generation: int | None = Field(default=None, description="Last generation handled.")
+    replicas: int = Field(default=0, description="Pods that exist.")
+    ready_replicas: int = Field(default=0, description="Pods that are ready.")
+    ready: str | None = Field(default=None, description="ready/desired, for kubectl get.")
+    reason: str | None = Field(default=None, description="Short status reason, for kubectl get.")
+    selector: str | None = Field(default=None, description="Label selector of the pods (scale).")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing, Degraded.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    replica_statuses: list[ReplicaStatus] = Field(
+        default_factory=list, description="Per-pod state."
+    )
+
+
+def parse_spec(spec: Any) -> InferenceDeploymentSpec:
+    """Parse a spec as received from the API server (already defaulted and validated there)."""
+    return InferenceDeploymentSpec.model_validate(dict(spec))

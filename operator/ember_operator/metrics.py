@@ -1,0 +1,45 @@
+"""Prometheus metrics of the operator (served by `python -m ember_operator --metrics-port`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+from prometheus_client import Counter, Gauge, Histogram
+
+RECONCILES = Counter(
+    "ember_operator_reconciles_total",
+    "Reconciles of InferenceDeployments by trigger and result.",
+    ["trigger", "result"],
+)
+RECONCILE_SECONDS = Histogram(
+    "ember_operator_reconcile_duration_seconds",
+    "Time spent in one reconcile.",
+    ["trigger"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+API_WRITES = Counter(
+    "ember_operator_api_writes_total",
+    "Writes this operator sent to the API server.",
+    ["kind", "verb"],
+)
+OBJECTS = Gauge(
+    "ember_operator_objects",
+    "InferenceDeployments by condition type and status.",
+    ["condition", "status"],
+)
+
+_lock = threading.Lock()
+_by_object: dict[tuple[str, str], dict[str, str]] = {}
+
+
+def record_conditions(key: tuple[str, str], conditions: Mapping[str, str] | None) -> None:
+    """Remember one object's condition statuses (None: forget it); O(1) gauge update."""
+    with _lock:
+        old = _by_object.pop(key, {})
+        for ctype, status in old.items():
+            OBJECTS.labels(condition=ctype, status=status).dec()
+        if conditions is not None:
+            _by_object[key] = dict(conditions)
+            for ctype, status in conditions.items():
+                OBJECTS.labels(condition=ctype, status=status).inc()

@@ -1,0 +1,298 @@
+"""Pure rendering: typed spec + operator settings + sizing → the child manifests.
+
+No I/O and no clock here, so the whole pod template is unit-tested without a cluster and two
+renders of the same input are byte-identical (which the config hash and zero-write steady state
+rely on). Templates live in `templates/`, one file per kind.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+import yaml
+from ember_runtime.config import (
+    EngineSettings,
+    ModelFile,
+    RuntimeConfig,
+    SensorSettings,
+    ServerSettings,
+)
+
+from ember_operator import quantity
+from ember_operator.api import API_VERSION, KIND
+from ember_operator.api.models import AcceleratorKind, InferenceDeploymentSpec
+from ember_operator.settings import MANAGED_BY, OperatorSettings
+from ember_operator.sizing import Sizing
+
+INSTANCE_LABEL = "ember.dev/instance"
+CONFIG_HASH_ANNOTATION = "ember.dev/config-hash"
+EXTENDED_RESOURCE = {
+    AcceleratorKind.NVIDIA_GPU: "nvidia.com/gpu",
+    AcceleratorKind.NPU: "ember.dev/npu",
+}
+API_KEY_DIR = "/etc/ember/api-key"
+PREWARM_OVERHEAD_BYTES = 128 * quantity.MIB
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A spec that passes the schema but cannot be served; becomes a Degraded condition."""
+
+    reason: str
+    message: str
+
+
+@functools.cache
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("ember_operator", "templates"),
+        undefined=jinja2.StrictUndefined,  # a missing variable is a bug, not an empty string
+        autoescape=False,  # noqa: S701 - YAML, not HTML; user values go through |tojson
+        keep_trailing_newline=True,
+    )
+
+
+def labels_for(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "ember",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "inference",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        INSTANCE_LABEL: name,
+    }
+
+
+def selector_for(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "ember", INSTANCE_LABEL: name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_for(name).items())
+
+
+def config_name(name: str) -> str:
+    return f"{name}-config"
+
+
+def problems(spec: InferenceDeploymentSpec, sizing: Sizing) -> list[Problem]:
+    """What the schema cannot see (CEL has no sum) but would make every pod fail."""
+    found: list[Problem] = []
+    if spec.prewarm.enabled and sizing.shared_memory_bytes < sizing.model_bytes:
+        found.append(
+            Problem(
+                "SharedMemoryTooSmall",
+                f"prewarm.sharedMemoryLimit ({quantity.format_bytes(sizing.shared_memory_bytes)}) "
+                f"is smaller than the model files ({sizing.model_bytes} bytes); raise it or "
+                "disable prewarm",
+            )
+        )
+    limit = (spec.resources.limits.get("memory") if spec.resources else None) or None
+    if limit is not None and quantity.parse(limit) < sizing.shared_memory_bytes:
+        found.append(
+            Problem(
+                "MemoryLimitTooSmall",
+                f"resources.limits.memory ({limit}) cannot hold the memory-backed prewarm volume "
+                f"({quantity.format_bytes(sizing.shared_memory_bytes)})",
+            )
+        )
+    return found
+
+
+def runtime_config(
+    spec: InferenceDeploymentSpec, settings: OperatorSettings, sizing: Sizing
+) -> RuntimeConfig:
+    ref = spec.server.api_key_secret_ref
+    return RuntimeConfig(
+        model_name=spec.model.name,
+        format=spec.model.format.value,
+        model_dir=settings.model_mount,
+        files=[
+            ModelFile(path=f.path, sha256=f.sha256, size_bytes=f.size_bytes)
+            for f in spec.model.files
+        ],
+        prewarm_dir=settings.prewarm_mount if spec.prewarm.enabled else None,
+        accelerator=spec.accelerator.kind.value,
+        engine=EngineSettings(
+            kind=spec.engine.kind.value,
+            context_length=spec.engine.context_length,
+            max_batch_size=spec.engine.max_batch_size,
+            min_batch_size=spec.engine.min_batch_size,
+            threads=sizing.threads,
+            args=dict(spec.engine.args),
+        ),
+        server=ServerSettings(
+            port=spec.server.port,
+            api_key_file=f"{API_KEY_DIR}/{ref.key}" if ref else None,
+        ),
+        sensors=SensorSettings(nvml=spec.accelerator.kind == AcceleratorKind.NVIDIA_GPU),
+    )
+
+
+def config_data(
+    spec: InferenceDeploymentSpec, settings: OperatorSettings, sizing: Sizing
+) -> dict[str, str]:
+    return {
+        "config.yaml": runtime_config(spec, settings, sizing).to_yaml(),
+        "sizing.yaml": yaml.safe_dump(sizing.as_dict(), sort_keys=True),
+    }
+
+
+def config_hash(data: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(data):
+        digest.update(key.encode() + b"\0" + data[key].encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _resources(spec: InferenceDeploymentSpec, sizing: Sizing) -> dict[str, dict[str, str]]:
+    if spec.resources is not None:
+        requests = {k: str(v) for k, v in spec.resources.requests.items()}
+        limits = {k: str(v) for k, v in spec.resources.limits.items()}
+    else:
+        # Guaranteed QoS: request == limit, so the kubelet evicts these pods last.
+        memory = quantity.format_bytes(sizing.memory_bytes)
+        requests = {"cpu": sizing.cpu, "memory": memory}
+        limits = dict(requests)
+    extended = EXTENDED_RESOURCE.get(spec.accelerator.kind)
+    if extended is not None:
+        limits.setdefault(extended, str(spec.accelerator.count))
+        requests.setdefault(extended, limits[extended])
+    out = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _model_volume(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    source = spec.model.source
+    if source.host_path is not None:
+        return {"name": "model", "hostPath": {"path": source.host_path.path, "type": "Directory"}}
+    if source.pvc is not None:
+        claim = {"claimName": source.pvc.claim_name, "readOnly": True}
+        return {"name": "model", "persistentVolumeClaim": claim}
+    assert source.image is not None  # the CRD's CEL rule guarantees exactly one source
+    image = {"reference": source.image.reference, "pullPolicy": source.image.pull_policy}
+    return {"name": "model", "image": image}
+
+
+def _volumes_and_mounts(
+    spec: InferenceDeploymentSpec, settings: OperatorSettings, name: str, sizing: Sizing
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    model_mount: dict[str, Any] = {
+        "name": "model",
+        "mountPath": settings.model_mount,
+        "readOnly": True,
+    }
+    if spec.model.source.pvc is not None and spec.model.source.pvc.sub_path:
+        model_mount["subPath"] = spec.model.source.pvc.sub_path
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_name(name)}},
+        _model_volume(spec),
+        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+    ]
+    config_mount = {"name": "config", "mountPath": settings.config_mount, "readOnly": True}
+    tmp_mount = {"name": "tmp", "mountPath": "/tmp"}  # noqa: S108 - a private emptyDir
+    runtime = [config_mount, model_mount, tmp_mount]
+    prewarm = [config_mount, model_mount, tmp_mount]
+    if spec.prewarm.enabled:
+        size = quantity.format_bytes(sizing.shared_memory_bytes)
+        volumes.append({"name": "prewarm", "emptyDir": {"medium": "Memory", "sizeLimit": size}})
+        prewarm.append({"name": "prewarm", "mountPath": settings.prewarm_mount})
+        runtime.append({"name": "prewarm", "mountPath": settings.prewarm_mount, "readOnly": True})
+    ref = spec.server.api_key_secret_ref
+    if ref is not None:
+        secret = {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}
+        volumes.append({"name": "api-key", "secret": secret})
+        runtime.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+    return volumes, runtime, prewarm
+
+
+def _env_vars(settings: OperatorSettings) -> list[dict[str, Any]]:
+    def field(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"fieldPath": path}}
+
+    def limit(resource: str) -> dict[str, Any]:
+        return {"resourceFieldRef": {"containerName": "runtime", "resource": resource}}
+
+    return [
+        {"name": "EMBER_CONFIG", "value": f"{settings.config_mount}/config.yaml"},
+        {"name": "POD_NAME", "valueFrom": field("metadata.name")},
+        {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
+        {"name": "NODE_NAME", "valueFrom": field("spec.nodeName")},
+        {"name": "EMBER_CPU_LIMIT", "valueFrom": limit("limits.cpu")},
+        {"name": "EMBER_MEMORY_LIMIT", "valueFrom": limit("limits.memory")},
+    ]
+
+
+def render(
+    owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings, sizing: Sizing
+) -> list[dict[str, Any]]:
+    """Every child manifest for one InferenceDeployment, in apply order."""
+    name = owner.name
+    data = config_data(spec, settings, sizing)
+    volumes, runtime_mounts, prewarm_mounts = _volumes_and_mounts(spec, settings, name, sizing)
+    prewarm_memory = quantity.ceil_mib(sizing.shared_memory_bytes + PREWARM_OVERHEAD_BYTES)
+    context = {
+        "name": name,
+        "namespace": owner.namespace,
+        "config_name": config_name(name),
+        "labels": labels_for(name),
+        "selector": selector_for(name),
+        "owner_references": [
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": name,
+                "uid": owner.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+        "spec": spec,
+        "settings": settings,
+        "sizing": sizing,
+        "image": spec.image or settings.runtime_image,
+        "config_data": data,
+        "config_hash": config_hash(data),
+        "node_selector": dict(spec.placement.node_selector),
+        "tolerations": [
+            t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations
+        ],
+        "resources": _resources(spec, sizing),
+        "prewarm_resources": {"cpu": sizing.cpu, "memory": quantity.format_bytes(prewarm_memory)},
+        "env": _env_vars(settings),
+        "volumes": volumes,
+        "runtime_mounts": runtime_mounts,
+        "prewarm_mounts": prewarm_mounts,
+        "container_security": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    kinds = ["configmap", "deployment", "service"]
+    if spec.replicas > 1:
+        kinds.append("poddisruptionbudget")
+    return [_render_one(kind, context) for kind in kinds]
+
+
+def _render_one(kind: str, context: dict[str, Any]) -> dict[str, Any]:
+    text = _env().get_template(f"{kind}.yaml.j2").render(**context)
+    manifest = yaml.safe_load(text)
+    if not isinstance(manifest, dict):
+        raise TypeError(f"template {kind} did not render a mapping")
+    return manifest

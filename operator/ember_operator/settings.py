@@ -1,0 +1,59 @@
+"""The operator's own configuration (Helm values end up here as EMBER_OPERATOR_* variables)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+FIELD_MANAGER = "ember-operator"
+MANAGED_BY = "ember-operator"
+
+
+class OperatorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EMBER_OPERATOR_", frozen=True)
+
+    runtime_image: str = Field(
+        default="ghcr.io/ember-dev/ember-runtime:0.1.0", description="Default runtime image."
+    )
+    image_pull_policy: str = "IfNotPresent"
+    namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces to watch; empty: the whole cluster."
+    )
+    metrics_port: int = Field(default=9090, ge=0, le=65535)
+    liveness_port: int = Field(default=8081, ge=0, le=65535)
+    peering_name: str = "ember-operator"
+    default_cpu: str = Field(
+        default="1",
+        description="CPU request/limit when a spec gives no resources. Threads follow the "
+        "limit: 2 threads on 2 busy cores ran at 0.38x of 1 thread, so never oversubscribe.",
+    )
+    min_load_bandwidth_mib_s: float = Field(
+        default=50.0,
+        gt=0,
+        description="Slowest model load we tolerate (MiB/s); sizes the startup probe so a slow "
+        "SD card never gets a loading pod killed.",
+    )
+    startup_base_seconds: int = Field(default=30, ge=1)
+    runtime_overhead_mib: int = Field(
+        default=192, ge=0, description="Python + engine resident memory besides the model."
+    )
+    memory_headroom: float = Field(default=1.10, ge=1.0, description="Multiplier on the total.")
+    model_roots: list[Path] = Field(
+        default_factory=list,
+        description="Local directories where the operator may find model files to read GGUF "
+        "headers from (hostPath sources are also tried as-is).",
+    )
+    resync_seconds: float = Field(
+        default=10.0, gt=0, description="Timer that re-reads observed state and repairs drift."
+    )
+    api_timeout_seconds: float = Field(default=30.0, gt=0)
+    model_mount: str = "/models"
+    prewarm_mount: str = "/run/ember/prewarm"
+    config_mount: str = "/etc/ember"
+    run_as_user: int = 65532
+
+
+def load_settings() -> OperatorSettings:
+    return OperatorSettings()

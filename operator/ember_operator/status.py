@@ -1,0 +1,214 @@
+"""Observed state → status: conditions, counts, per-replica state. Pure functions.
+
+Conditions follow the Kubernetes conventions: one entry per type, `status` True/False/Unknown,
+a CamelCase `reason`, a human `message`, `lastTransitionTime` that only moves when `status`
+changes, and the `observedGeneration` the condition was computed for.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ember_operator.render import Problem
+
+READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+# Container waiting reasons that will not fix themselves without a human.
+STUCK_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+    }
+)
+# prewarm writes "Reason: detail" to its termination log (e.g. "ChecksumMismatch: ...").
+_REASON_PREFIX = re.compile(r"^([A-Z][A-Za-z0-9]{2,63}):\s*(.*)$", re.DOTALL)
+MAX_MESSAGE = 512
+
+
+@dataclass(frozen=True)
+class PodFailure:
+    reason: str
+    message: str
+
+
+def _terminated_failure(cstatus: Mapping[str, Any], default_reason: str) -> PodFailure | None:
+    for key in ("state", "lastState"):
+        term = (cstatus.get(key) or {}).get("terminated")
+        if term and term.get("exitCode", 0) != 0:
+            text = (term.get("message") or term.get("reason") or "").strip()
+            match = _REASON_PREFIX.match(text)
+            if match:
+                return PodFailure(match[1], match[2].strip()[:MAX_MESSAGE])
+            detail = text[:MAX_MESSAGE] or f"exit code {term.get('exitCode')}"
+            return PodFailure(default_reason, f"{cstatus.get('name')}: {detail}")
+    return None
+
+
+def pod_failure(pod_status: Mapping[str, Any]) -> PodFailure | None:
+    """The reason a pod cannot become ready by itself, if any (init failures first)."""
+    for cstatus in pod_status.get("initContainerStatuses") or []:
+        failure = _terminated_failure(cstatus, "PrewarmFailed")
+        if failure:
+            return failure
+    for cstatus in pod_status.get("containerStatuses") or []:
+        waiting = (cstatus.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_REASONS:
+            last = _terminated_failure(cstatus, waiting["reason"])
+            message = last.message if last else (waiting.get("message") or "")
+            return PodFailure(waiting["reason"], f"{cstatus.get('name')}: {message}"[:MAX_MESSAGE])
+    for cond in pod_status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+            return PodFailure("Unschedulable", (cond.get("message") or "")[:MAX_MESSAGE])
+    return None
+
+
+def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The little of a pod the status needs (what the pod index keeps in memory)."""
+    meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    failure = pod_failure(status)
+    return {
+        "pod": meta.get("name"),
+        "node": spec.get("nodeName"),
+        "phase": status.get("phase"),
+        "ready": ready,
+        "deleting": meta.get("deletionTimestamp") is not None,
+        "failure": None
+        if failure is None
+        else {"reason": failure.reason, "message": failure.message},
+    }
+
+
+@dataclass(frozen=True)
+class Observed:
+    generation: int
+    desired: int
+    deployment: Mapping[str, Any] | None
+    pods: list[Mapping[str, Any]]
+    problems: list[Problem]
+    selector: str
+
+
+def _condition(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    return {
+        "type": ctype,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+    }
+
+
+def _rollout(obs: Observed) -> tuple[int, int, bool]:
+    """(pods, ready pods, rollout complete) from the Deployment's own status."""
+    dep = obs.deployment
+    if dep is None:
+        return 0, 0, False
+    st = dep.get("status") or {}
+    generation = (dep.get("metadata") or {}).get("generation", 0)
+    current = st.get("observedGeneration", 0) >= generation
+    replicas, ready = st.get("replicas", 0), st.get("readyReplicas", 0)
+    updated = st.get("updatedReplicas", 0)
+    done = current and updated == obs.desired and replicas == obs.desired and ready >= obs.desired
+    return replicas, ready, done
+
+
+def conditions_for(obs: Observed) -> list[dict[str, Any]]:
+    replicas, ready, done = _rollout(obs)
+    failures = [p for p in obs.pods if p.get("failure") and not p.get("deleting")]
+    if obs.problems:
+        first = obs.problems[0]
+        return [
+            _condition(READY, False, first.reason, first.message),
+            _condition(PROGRESSING, False, first.reason, "the spec cannot be served; fix it"),
+            _condition(DEGRADED, True, first.reason, first.message),
+        ]
+    if obs.desired == 0:
+        ready_c = _condition(READY, True, "ScaledToZero", "replicas is 0")
+    elif ready >= obs.desired and obs.deployment is not None:
+        ready_c = _condition(READY, True, "AllReplicasReady", f"{ready}/{obs.desired} ready")
+    else:
+        ready_c = _condition(READY, False, "ReplicasNotReady", f"{ready}/{obs.desired} ready")
+    if done:
+        prog = _condition(PROGRESSING, False, "RolloutComplete", "all replicas are up to date")
+    else:
+        prog = _condition(PROGRESSING, True, "RollingOut", f"{replicas} pods, {ready} ready")
+    if failures:
+        failure = failures[0]["failure"]
+        message = f"pod {failures[0]['pod']}: {failure['message']}"
+        degraded = _condition(DEGRADED, True, failure["reason"], message)
+    else:
+        degraded = _condition(DEGRADED, False, "AsExpected", "")
+    return [ready_c, prog, degraded]
+
+
+def _with_times(
+    new: list[dict[str, Any]], old: Iterable[Mapping[str, Any]], now: str, generation: int
+) -> list[dict[str, Any]]:
+    previous = {c.get("type"): c for c in old}
+    out = []
+    for cond in new:
+        before = previous.get(cond["type"])
+        same = before is not None and before.get("status") == cond["status"]
+        stamp = before.get("lastTransitionTime") if same and before else now
+        out.append({**cond, "lastTransitionTime": stamp or now, "observedGeneration": generation})
+    return out
+
+
+def _replica_statuses(
+    pods: list[Mapping[str, Any]], old: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per-pod rows; the thermal fields belong to the thermal controller, so keep its values."""
+    previous = {r.get("pod"): r for r in old}
+    rows = []
+    for pod in sorted(pods, key=lambda p: str(p.get("pod"))):
+        if pod.get("deleting"):
+            continue
+        row: dict[str, Any] = {"pod": pod["pod"]}
+        if pod.get("node"):
+            row["node"] = pod["node"]
+        if pod.get("phase"):
+            row["phase"] = pod["phase"]
+        for key in ("temperatureCelsius", "maxBatchSize"):
+            value = previous.get(pod["pod"], {}).get(key)
+            if value is not None:
+                row[key] = value
+        rows.append(row)
+    return rows
+
+
+def compute_status(obs: Observed, old: Mapping[str, Any], now: str) -> dict[str, Any]:
+    """The whole status subresource for `obs`, reusing transition times from `old`."""
+    replicas, ready, _ = _rollout(obs)
+    conditions = _with_times(conditions_for(obs), old.get("conditions") or [], now, obs.generation)
+    by_type = {c["type"]: c for c in conditions}
+    reason = (
+        by_type[DEGRADED]["reason"]
+        if by_type[DEGRADED]["status"] == "True"
+        else by_type[READY]["reason"]
+        if by_type[READY]["status"] == "True"
+        else by_type[PROGRESSING]["reason"]
+    )
+    return {
+        "observedGeneration": obs.generation,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "ready": f"{ready}/{obs.desired}",
+        "reason": reason,
+        "selector": obs.selector,
+        "conditions": conditions,
+        "replicaStatuses": _replica_statuses(obs.pods, old.get("replicaStatuses") or []),
+    }
+
+
+def changed_fields(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
+    """Only the top-level status fields that differ: the patch is empty in steady state."""
+    return {k: v for k, v in new.items() if old.get(k) != v}

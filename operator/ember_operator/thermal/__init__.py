@@ -1,0 +1,1 @@
+"""The thermal loop: policy (pure), replica poller (HTTP), node actions (Kubernetes API)."""

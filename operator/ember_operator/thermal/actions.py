@@ -1,0 +1,142 @@
+"""Moving replicas off hot nodes: node taint, PDB-respecting eviction, Events (`kubernetes` client).
+
+Why a taint (`ember.dev/hot=true:NoSchedule`) and not node affinity on the pod template:
+- A taint is node-scoped: one write keeps *every* InferenceDeployment's new replicas off the hot
+  node, and one write releases it; affinity would be per workload and per node.
+- Changing affinity changes the pod template, i.e. a rollout of every replica of the workload —
+  exactly the disruption we are trying to limit to the one hot replica.
+- It is visible where operators look: `kubectl describe node` shows the taint and the Events.
+- NoSchedule (not NoExecute) so the kubelet does not kill other pods on that node; we choose
+  which pod moves and go through the Eviction API, so the PodDisruptionBudget is respected.
+- Cost: RBAC `nodes: get, patch` (cluster-scoped), plus `pods/eviction: create`, `events: create`.
+
+All calls are synchronous (the `kubernetes` client); call them from a thread
+(`asyncio.to_thread`) inside Kopf handlers.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+
+HOT_TAINT_KEY = "ember.dev/hot"
+HOT_TAINT: dict[str, str] = {"key": HOT_TAINT_KEY, "value": "true", "effect": "NoSchedule"}
+COMPONENT = "ember-operator"
+_CONFLICT_RETRIES = 5
+
+
+class EvictionResult(enum.Enum):
+    EVICTED = "evicted"
+    BLOCKED = "blocked"  # 429: the PDB allows no disruption now; retry on a later tick
+    GONE = "gone"  # 404: the pod is already gone
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    api_version: str
+    kind: str
+    name: str
+    namespace: str | None = None
+    uid: str | None = None
+
+
+def _taints(node: Any) -> list[dict[str, Any]]:
+    raw = (node.spec.taints if node.spec else None) or []
+    return [{k: v for k, v in t.to_dict().items() if v is not None} for t in raw]
+
+
+def _has_hot(node: Any) -> bool:
+    return any(t.get("key") == HOT_TAINT_KEY for t in _taints(node))
+
+
+def _name(obj: Any) -> str:
+    return str(obj.metadata.name)
+
+
+def _set_taints(core: client.CoreV1Api, name: str, change: bool) -> bool:
+    """Add (change=True) or remove the hot taint; True when the node was changed.
+
+    The patch carries the resourceVersion read, so a concurrent writer (kubelet, another
+    controller) makes it fail with 409 and we re-read instead of dropping their taint.
+    """
+    for _ in range(_CONFLICT_RETRIES):
+        node: Any = core.read_node(name)
+        if _has_hot(node) == change:
+            return False
+        kept = [t for t in _taints(node) if t.get("key") != HOT_TAINT_KEY]
+        wanted = [*kept, HOT_TAINT] if change else kept
+        body = {
+            "metadata": {"resourceVersion": node.metadata.resource_version},
+            "spec": {"taints": wanted},
+        }
+        try:
+            core.patch_node(name, body)
+            return True
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+    raise RuntimeError(f"node {name}: taint update kept conflicting")
+
+
+def taint_hot(core: client.CoreV1Api, node: str) -> bool:
+    return _set_taints(core, node, change=True)
+
+
+def untaint_hot(core: client.CoreV1Api, node: str) -> bool:
+    return _set_taints(core, node, change=False)
+
+
+def tainted_hot_nodes(core: client.CoreV1Api) -> list[str]:
+    """Nodes carrying the hot taint, to rebuild `NodeHeat` after an operator restart."""
+    nodes: list[Any] = core.list_node().items
+    return sorted(_name(n) for n in nodes if _has_hot(n))
+
+
+def evict(core: client.CoreV1Api, namespace: str, pod: str) -> EvictionResult:
+    body = client.V1Eviction(metadata=client.V1ObjectMeta(name=pod, namespace=namespace))
+    try:
+        core.create_namespaced_pod_eviction(pod, namespace, body)
+    except ApiException as exc:
+        if exc.status == 429:
+            log.info("eviction of %s/%s blocked by its PodDisruptionBudget", namespace, pod)
+            return EvictionResult.BLOCKED
+        if exc.status == 404:
+            return EvictionResult.GONE
+        raise
+    return EvictionResult.EVICTED
+
+
+def record_event(
+    core: client.CoreV1Api, ref: ObjectRef, reason: str, message: str, kind: str = "Normal"
+) -> None:
+    """A core/v1 Event; cluster-scoped objects (nodes) get theirs in `default`, as kubelet does."""
+    now = datetime.now(UTC)
+    namespace = ref.namespace or "default"
+    event = client.CoreV1Event(
+        metadata=client.V1ObjectMeta(generate_name=f"{ref.name}.", namespace=namespace),
+        involved_object=client.V1ObjectReference(
+            api_version=ref.api_version,
+            kind=ref.kind,
+            name=ref.name,
+            namespace=ref.namespace,
+            uid=ref.uid,
+        ),
+        reason=reason,
+        message=message[:1024],
+        type=kind,
+        first_timestamp=now,
+        last_timestamp=now,
+        count=1,
+        source=client.V1EventSource(component=COMPONENT),
+        reporting_component=COMPONENT,
+        reporting_instance=COMPONENT,
+    )
+    core.create_namespaced_event(namespace, event)
