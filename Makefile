@@ -8,7 +8,7 @@ VENV     := .venv
 PY       := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
 APT_PKGS := containerd runc containernetworking-plugins debootstrap etcd-server iproute2 \
-            iptables util-linux gcc libc6-dev cmake
+            iptables util-linux gcc g++ libc6-dev cmake buildah
 # llama.cpp is compiled by pip (≈6 min once; pip caches the wheel).
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
@@ -43,10 +43,12 @@ lint: install ## ruff + mypy
 
 crds: install ## regenerate crds/ (and the chart's copy) from the pydantic models
 	$(PY) -m ember_operator.api.crdgen
+	$(PY) -m ember_operator.api.docgen
 	rm -f charts/ember/crds/*.yaml && cp crds/*.yaml charts/ember/crds/
 
 crds-check: install ## fail when the committed CRDs (or the chart's copy) differ from the models
 	$(PY) -m ember_operator.api.crdgen --check
+	$(PY) -m ember_operator.api.docgen --check
 	diff -ru crds charts/ember/crds
 
 cluster-build: install ## build/cache Kubernetes, kwok, helm and the local images

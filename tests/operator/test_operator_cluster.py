@@ -166,7 +166,8 @@ def test_delete_garbage_collects_children(kube: Any, namespace: str, operator: A
     wait_for("children", lambda: all(_children(kube, namespace).values()))
     rest.delete(kube.api, "infd", namespace, "delta", propagationPolicy="Foreground")
     wait_for("children gone", lambda: not any(_children(kube, namespace).values()), timeout=180)
-    assert rest.get(kube.api, "infd", namespace, "delta") is None
+    # Foreground deletion: the GC removes the owner's finalizer just after its last child.
+    wait_for("the infd gone", lambda: rest.get(kube.api, "infd", namespace, "delta") is None)
 
 
 def test_restart_mid_way_makes_no_duplicates(kube: Any, namespace: str, crd: Any) -> None:
