@@ -25,7 +25,7 @@ def cache_dir() -> Path:
     return Path(base) / "ember" / "models"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(1 << 20):
@@ -41,7 +41,7 @@ def default_model_path() -> Path:
     final = directory / MODEL_FILENAME
     with (directory / f".{MODEL_FILENAME}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if final.exists() and _sha256(final) == MODEL_SHA256:
+        if final.exists() and sha256_file(final) == MODEL_SHA256:
             return final
         tmp = directory / f".{MODEL_FILENAME}.tmp-{os.getpid()}"
         try:

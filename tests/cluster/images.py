@@ -21,6 +21,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from ember_runtime.models import sha256_file
+
 from tests.cluster.build import log
 from tests.cluster.paths import cache_root
 
@@ -53,17 +55,9 @@ def images_dir() -> Path:
     return path
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_docker_archive(layer_tar: Path, out: Path, ref: str, config: dict[str, object]) -> Path:
     """Wrap one uncompressed layer tar into a docker-archive that `ctr images import` names."""
-    diff_id = "sha256:" + _sha256_file(layer_tar)
+    diff_id = "sha256:" + sha256_file(layer_tar)
     image_config = {
         "architecture": "amd64" if os.uname().machine == "x86_64" else "arm64",
         "os": "linux",

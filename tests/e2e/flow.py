@@ -12,7 +12,6 @@ are behind `Target`, so kind (tests/e2e/kind.py) reuses every other step.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
-from ember_runtime.models import default_model_path
+from ember_runtime.models import MODEL_SHA256, default_model_path
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ember"
@@ -114,7 +113,6 @@ class Flow:
         src = default_model_path()
         with timed(f"placing the model on the node under {MODEL_DIR}"):
             self.target.place_model(src, MODEL_DIR)
-        digest = _sha256(src)
         return {
             "apiVersion": "ember.dev/v1alpha1",
             "kind": "InferenceDeployment",
@@ -126,7 +124,11 @@ class Flow:
                     "format": "gguf",
                     "source": {"hostPath": {"path": str(MODEL_DIR)}},
                     "files": [
-                        {"path": MODEL_FILE, "sha256": digest, "sizeBytes": src.stat().st_size}
+                        {
+                            "path": MODEL_FILE,
+                            "sha256": MODEL_SHA256,
+                            "sizeBytes": src.stat().st_size,
+                        }
                     ],
                 },
                 "engine": {
@@ -236,14 +238,6 @@ def _condition(obj: dict[str, Any], kind: str) -> str | None:
         if cond.get("type") == kind:
             return str(cond.get("status"))
     return None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _free_port() -> int:

@@ -320,7 +320,7 @@ def test_two_replicas_never_both_act(kube: Any, namespace: str, crd: Any, tmp_pa
         wait_for(
             "one replica to pause",
             lambda: sum("Pausing operations in favour" in p.read_text() for p in logs) == 1,
-            timeout=60,
+            timeout=180,  # two cold Python+Kopf starts on a loaded 2-core machine
         )
         rest.create(kube.api, "infd", namespace, manifest("peer"))
         wait_for("children", lambda: _children(kube, namespace)["Deployment"] == ["peer"])
