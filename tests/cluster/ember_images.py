@@ -67,9 +67,8 @@ def build_image(image: EmberImage) -> Path:
         raise SystemExit("buildah is required to build Ember's images (apt-get install buildah)")
     _ensure_base_in_buildah()
     start = time.monotonic()
-    log(
-        f"building {image.ref} from {image.dockerfile} (the first runtime build compiles llama.cpp)"
-    )
+    slow = " (its first build compiles llama.cpp: minutes)" if image.name == "ember-runtime" else ""
+    log(f"building {image.ref} from {image.dockerfile}{slow}")
     subprocess.run(
         [
             "buildah",
