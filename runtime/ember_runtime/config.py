@@ -56,6 +56,16 @@ class SensorSettings(_Wire):
     nvml: bool = False
     npu_smi: str | None = None
     interval_seconds: float = Field(default=1.0, gt=0)
+    zone_types: list[str] = Field(
+        default_factory=list,
+        description="fnmatch patterns of thermal-zone types that count (empty: all zones).",
+    )
+    ewma_rising: float = Field(
+        default=1.0, gt=0, le=1, description="EWMA weight of a rising reading (fast attack)."
+    )
+    ewma_falling: float = Field(
+        default=0.5, gt=0, le=1, description="EWMA weight of a falling reading (slow release)."
+    )
 
 
 class RuntimeConfig(_Wire):

@@ -68,11 +68,15 @@ def start_runtime(
         model_name="gemma3-270m",
         model_dir=str(model.parent),
         engine=EngineSettings(
-            max_batch_size=max_batch, min_batch_size=min_batch, context_length=context,
+            max_batch_size=max_batch,
+            min_batch_size=min_batch,
+            context_length=context,
             threads=threads,
         ),
         server=ServerSettings(
-            host="127.0.0.1", port=port, api_key_file=str(key_file) if key_file else None,
+            host="127.0.0.1",
+            port=port,
+            api_key_file=str(key_file) if key_file else None,
             request_timeout_seconds=120,
         ),
         sensors=SensorSettings(sysfs_root=str(sysfs_root), interval_seconds=interval),
@@ -81,8 +85,18 @@ def start_runtime(
     cfg = workdir / "config.yaml"
     cfg.write_text(config.to_yaml())
     log = workdir / "runtime.log"
-    argv = [*argv_prefix, sys.executable, "-m", "ember_runtime.server", "--config", str(cfg),
-            "--model", str(model), "--log-level", "warning"]
+    argv = [
+        *argv_prefix,
+        sys.executable,
+        "-m",
+        "ember_runtime.server",
+        "--config",
+        str(cfg),
+        "--model",
+        str(model),
+        "--log-level",
+        "warning",
+    ]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"

@@ -88,23 +88,51 @@ def test_taint_is_idempotent_and_keeps_other_taints(kube: Kube, two_nodes: tuple
 def _deployment(name: str, a: str, b: str) -> Any:
     labels = {"app": name}
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
         "spec": {
-            "replicas": 1, "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {
-                "containers": [{"name": "runtime", "image": "ember-runtime:test"}],
-                "tolerations": [SIM_TOLERATION, {**PRIVATE, "operator": "Equal"}],
-                "terminationGracePeriodSeconds": 0,
-                "affinity": {"nodeAffinity": {
-                    "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                        {"matchExpressions": [{"key": "kubernetes.io/hostname",
-                                               "operator": "In", "values": [a, b]}]}]},
-                    "preferredDuringSchedulingIgnoredDuringExecution": [
-                        {"weight": 100, "preference": {"matchExpressions": [
-                            {"key": "kubernetes.io/hostname", "operator": "In",
-                             "values": [a]}]}}],
-                }},
-            }},
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [{"name": "runtime", "image": "ember-runtime:test"}],
+                    "tolerations": [SIM_TOLERATION, {**PRIVATE, "operator": "Equal"}],
+                    "terminationGracePeriodSeconds": 0,
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {
+                                        "matchExpressions": [
+                                            {
+                                                "key": "kubernetes.io/hostname",
+                                                "operator": "In",
+                                                "values": [a, b],
+                                            }
+                                        ]
+                                    }
+                                ]
+                            },
+                            "preferredDuringSchedulingIgnoredDuringExecution": [
+                                {
+                                    "weight": 100,
+                                    "preference": {
+                                        "matchExpressions": [
+                                            {
+                                                "key": "kubernetes.io/hostname",
+                                                "operator": "In",
+                                                "values": [a],
+                                            }
+                                        ]
+                                    },
+                                }
+                            ],
+                        }
+                    },
+                },
+            },
         },
     }
 
@@ -115,7 +143,9 @@ def _running_pods(core: client.CoreV1Api, ns: str, app: str) -> list[Any]:
 
 
 def test_critical_node_is_vacated_then_released(
-    kube: Kube, namespace: str, two_nodes: tuple[str, str],
+    kube: Kube,
+    namespace: str,
+    two_nodes: tuple[str, str],
     runtime: tuple[Any, FakeThermalTree],
 ) -> None:
     core, (a, b) = kube.core, two_nodes
@@ -123,18 +153,24 @@ def test_critical_node_is_vacated_then_released(
     apps, policy = client.AppsV1Api(kube.api), client.PolicyV1Api(kube.api)
     dep: Any = apps.create_namespaced_deployment(namespace, _deployment("infer", a, b))
     owner = ObjectRef("apps/v1", "Deployment", "infer", namespace, dep.metadata.uid)
-    first = wait_for("a running pod on A", lambda: [
-        p for p in _running_pods(core, namespace, "infer") if p.spec.node_name == a])[0]
-    pdb: Any = {"metadata": {"name": "infer"},
-                "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "infer"}}}}
+    first = wait_for(
+        "a running pod on A",
+        lambda: [p for p in _running_pods(core, namespace, "infer") if p.spec.node_name == a],
+    )[0]
+    pdb: Any = {
+        "metadata": {"name": "infer"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "infer"}}},
+    }
     policy.create_namespaced_pod_disruption_budget(namespace, pdb)
 
     clock = [0.0]
     loop = ThermalLoop(core, ReplicaPoller(), NodeHeat(probe_after_seconds=5), lambda: clock[0])
 
     def replicas() -> list[Replica]:  # each pod's runtime is the one real process
-        return [Replica(p.metadata.name, p.spec.node_name, proc.url, API_KEY)
-                for p in _running_pods(core, namespace, "infer")]
+        return [
+            Replica(p.metadata.name, p.spec.node_name, proc.url, API_KEY)
+            for p in _running_pods(core, namespace, "infer")
+        ]
 
     async def tick(seconds: float = 1.0) -> list[str]:
         clock[0] += seconds
@@ -153,8 +189,12 @@ def test_critical_node_is_vacated_then_released(
             policy.delete_namespaced_pod_disruption_budget("infer", namespace)
             done = await tick()
             assert done == [f"evicted {first.metadata.name}"], done
-            moved = wait_for("the replacement pod on B", lambda: [
-                p for p in _running_pods(core, namespace, "infer") if p.spec.node_name == b])
+            moved = wait_for(
+                "the replacement pod on B",
+                lambda: [
+                    p for p in _running_pods(core, namespace, "infer") if p.spec.node_name == b
+                ],
+            )
             assert moved[0].metadata.name != first.metadata.name
             tree.set(0, 70.0)
             await asyncio.sleep(SETTLE)
@@ -172,7 +212,8 @@ def test_critical_node_is_vacated_then_released(
     reasons = {e.reason for e in events if e.involved_object.name == "infer"}
     assert "ReplicaMovedOffHotNode" in reasons
     on_node: list[Any] = core.list_namespaced_event(
-        "default", field_selector=f"involvedObject.name={a}").items
+        "default", field_selector=f"involvedObject.name={a}"
+    ).items
     node_events = {e.reason for e in on_node}
     assert {"HotNodeTainted", "HotNodeReleased"} <= node_events
 

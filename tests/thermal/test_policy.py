@@ -20,8 +20,20 @@ ISSUE = ThermalLimits(max_batch=16, min_batch=4, throttle_celsius=78, celsius_pe
 @pytest.mark.parametrize(
     ("temp", "expected"),
     [
-        (20.0, 16), (77.9, 16), (78.0, 16), (79.9, 16), (80.0, 15), (81.9, 15), (82.0, 14),
-        (84.0, 13), (85.9, 13), (86.0, 12), (90.0, 10), (100.0, 5), (101.9, 5), (102.0, 4),
+        (20.0, 16),
+        (77.9, 16),
+        (78.0, 16),
+        (79.9, 16),
+        (80.0, 15),
+        (81.9, 15),
+        (82.0, 14),
+        (84.0, 13),
+        (85.9, 13),
+        (86.0, 12),
+        (90.0, 10),
+        (100.0, 5),
+        (101.9, 5),
+        (102.0, 4),
         (130.0, 4),
     ],
 )
@@ -79,13 +91,23 @@ def test_policy_off_is_always_full() -> None:
 
 
 def test_limits_from_a_real_spec() -> None:
-    spec = parse_spec({
-        "model": {"name": "m", "format": "gguf", "source": {"hostPath": {"path": "/models/m"}},
-                  "files": [{"path": "m.gguf", "sha256": "a" * 64, "sizeBytes": 1}]},
-        "engine": {"kind": "llamacpp", "maxBatchSize": 32, "minBatchSize": 8},
-        "thermal": {"throttleCelsius": 70, "criticalCelsius": 85, "celsiusPerStep": 5,
-                    "criticalForSeconds": 30},
-    })
+    spec = parse_spec(
+        {
+            "model": {
+                "name": "m",
+                "format": "gguf",
+                "source": {"hostPath": {"path": "/models/m"}},
+                "files": [{"path": "m.gguf", "sha256": "a" * 64, "sizeBytes": 1}],
+            },
+            "engine": {"kind": "llamacpp", "maxBatchSize": 32, "minBatchSize": 8},
+            "thermal": {
+                "throttleCelsius": 70,
+                "criticalCelsius": 85,
+                "celsiusPerStep": 5,
+                "criticalForSeconds": 30,
+            },
+        }
+    )
     limits = ThermalLimits.from_spec(spec)
     assert (limits.max_batch, limits.min_batch, limits.critical_for_seconds) == (32, 8, 30.0)
     assert max_batch(80.0, limits, 32) == 30 and max_batch(200.0, limits, 32) == 8
@@ -93,8 +115,13 @@ def test_limits_from_a_real_spec() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"min_batch": 8, "max_batch": 4}, {"min_batch": 0}, {"celsius_per_step": 0},
-     {"critical_celsius": 70, "throttle_celsius": 78}, {"hysteresis_celsius": -1}],
+    [
+        {"min_batch": 8, "max_batch": 4},
+        {"min_batch": 0},
+        {"celsius_per_step": 0},
+        {"critical_celsius": 70, "throttle_celsius": 78},
+        {"hysteresis_celsius": -1},
+    ],
 )
 def test_bad_limits_are_rejected(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):

@@ -110,16 +110,26 @@ def test_replicas_from_pods() -> None:
         if deleting:
             meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
         return {
-            "metadata": meta, "spec": {"nodeName": "n1"},
-            "status": {"podIP": ip, "conditions": [
-                {"type": "Ready", "status": "True" if ready else "False"}]},
+            "metadata": meta,
+            "spec": {"nodeName": "n1"},
+            "status": {
+                "podIP": ip,
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            },
         }
 
-    pods = [pod("b", "10.0.0.2", True), pod("a", "fd00::1", True), pod("c", None, True),
-            pod("d", "10.0.0.4", False), pod("e", "10.0.0.5", True, deleting=True)]
+    pods = [
+        pod("b", "10.0.0.2", True),
+        pod("a", "fd00::1", True),
+        pod("c", None, True),
+        pod("d", "10.0.0.4", False),
+        pod("e", "10.0.0.5", True, deleting=True),
+    ]
     got = replicas_from_pods(pods, 8080, api_key="k")
     assert [(r.pod, r.url, r.node) for r in got] == [
-        ("a", "http://[fd00::1]:8080", "n1"), ("b", "http://10.0.0.2:8080", "n1")]
+        ("a", "http://[fd00::1]:8080", "n1"),
+        ("b", "http://10.0.0.2:8080", "n1"),
+    ]
     assert all(r.api_key == "k" for r in got)
 
 

@@ -118,8 +118,10 @@ def test_sampler_survives_a_failing_source() -> None:
 @pytest.mark.parametrize(
     ("fixture", "expected"),
     [
-        ("npu_smi_910b_8.txt", {f"npu{i}/chip0": t for i, t in
-                                enumerate([34, 34, 34, 33, 33, 34, 34, 33])}),
+        (
+            "npu_smi_910b_8.txt",
+            {f"npu{i}/chip0": t for i, t in enumerate([34, 34, 34, 33, 33, 34, 34, 33])},
+        ),
         ("npu_smi_310p3.txt", {"npu6/chip0": 50.0}),
         ("npu_smi_310p3_x2.txt", {"npu0/chip0": 42.0, "npu1/chip0": 43.0}),
     ],
@@ -143,11 +145,14 @@ def _fake_npu_smi(tmp_path: Path, body: str) -> Path:
 
 def test_npu_smi_reader_runs_the_tool_and_follows_it(tmp_path: Path) -> None:
     table = tmp_path / "table.txt"
-    script = _fake_npu_smi(tmp_path, (
-        "import sys, pathlib\n"
-        "assert sys.argv[1:] == ['info'], sys.argv\n"
-        f"print(pathlib.Path({str(table)!r}).read_text())\n"
-    ))
+    script = _fake_npu_smi(
+        tmp_path,
+        (
+            "import sys, pathlib\n"
+            "assert sys.argv[1:] == ['info'], sys.argv\n"
+            f"print(pathlib.Path({str(table)!r}).read_text())\n"
+        ),
+    )
     text = (FIXTURES / "npu_smi_910b_8.txt").read_text()
     table.write_text(text)
     reader = NpuSmiReader([str(script), "info"])
@@ -171,9 +176,9 @@ def test_build_source_combines_zones_and_npu_smi(
     tmp_path: Path, thermal_tree: FakeThermalTree
 ) -> None:
     thermal_tree.zone(0, "soc-thermal", 55.0)
-    script = _fake_npu_smi(tmp_path, (
-        f"print(open({str(FIXTURES / 'npu_smi_310p3.txt')!r}).read())\n"
-    ))
+    script = _fake_npu_smi(
+        tmp_path, (f"print(open({str(FIXTURES / 'npu_smi_310p3.txt')!r}).read())\n")
+    )
     settings = SensorSettings(sysfs_root=str(thermal_tree.root), npu_smi=str(script))
     assert build_source(settings).read() == {"soc-thermal": 55.0, "npu6/chip0": 50.0}
 
