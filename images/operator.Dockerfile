@@ -20,5 +20,8 @@ FROM ${BASE_IMAGE}
 COPY --from=build /opt/ember /opt/ember
 # Read-only root filesystem friendly: no .pyc writes, temp files only under a mounted /tmp.
 ENV PATH=/opt/ember/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# A named non-root user: Kopf (getpass) and others look the uid up in /etc/passwd.
+RUN echo 'ember:x:65532:65532:ember:/nonexistent:/usr/sbin/nologin' >> /etc/passwd \
+ && echo 'ember:x:65532:' >> /etc/group
 USER 65532:65532
 ENTRYPOINT ["python3", "-m", "ember_operator"]

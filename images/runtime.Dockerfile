@@ -30,6 +30,9 @@ RUN --mount=type=secret,id=pip-ca \
 FROM ${BASE_IMAGE}
 COPY --from=build /opt/ember /opt/ember
 ENV PATH=/opt/ember/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# A named non-root user: Kopf (getpass) and others look the uid up in /etc/passwd.
+RUN echo 'ember:x:65532:65532:ember:/nonexistent:/usr/sbin/nologin' >> /etc/passwd \
+ && echo 'ember:x:65532:' >> /etc/group
 USER 65532:65532
 EXPOSE 8080
 ENTRYPOINT ["python3", "-m", "ember_runtime.server"]

@@ -68,6 +68,8 @@ def test_operator_runs_as_non_root_with_probes(helm: str) -> None:
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     assert pod["containers"][0]["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert "--standalone" in pod["containers"][0]["args"]
+    # Service env links would clash with the EMBER_OPERATOR_* settings (metrics Service).
+    assert pod["enableServiceLinks"] is False
 
 
 def test_two_replicas_peer_instead_of_standalone(helm: str) -> None:
