@@ -67,11 +67,16 @@ def sha256_of(path: Path) -> str:
 
 
 def timed(argv: list[str], preexec: Callable[[], None] | None = None) -> tuple[float, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "runtime"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "runtime"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    }
     t0 = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, preexec_fn=preexec, env=env,
-                          check=False)
+    done = subprocess.run(
+        argv, capture_output=True, text=True, preexec_fn=preexec, env=env, check=False
+    )
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise RuntimeError(f"{argv[:4]} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -87,7 +92,9 @@ class Model:
 
 def write_config(work: Path, model: Model, target: Path) -> Path:
     config = {
-        "modelName": "bench", "modelDir": str(model.path.parent), "prewarmDir": str(target),
+        "modelName": "bench",
+        "modelDir": str(model.path.parent),
+        "prewarmDir": str(target),
         "files": [{"path": model.path.name, "sha256": model.sha256, "sizeBytes": model.size}],
         "terminationLog": str(work / "termination-log"),
     }
@@ -105,6 +112,7 @@ def median(xs: list[float]) -> float:
 
 
 # --- 1. throughput -------------------------------------------------------------------------
+
 
 def throughput(work: Path, model: Model, reps: int) -> dict[str, float]:
     target = SHM / "ember-bench-target"
@@ -136,18 +144,25 @@ def copy_phase_mbps(stdout: str) -> float:
 
 def print_throughput(rows: dict[str, dict[str, float]]) -> None:
     print("\n## 1. Throughput, cold page cache (median MB/s)")
-    print("prewarm CLI = whole process (start-up, preflight, copy+hash, manifest); "
-          "copy phase = its progress figure")
-    print(f"| {'file':<24} | {'cp':>6} | {'sha256sum':>9} | {'prewarm CLI':>11} | "
-          f"{'copy phase':>10} | CLI/cp | phase/cp |")
+    print(
+        "prewarm CLI = whole process (start-up, preflight, copy+hash, manifest); "
+        "copy phase = its progress figure"
+    )
+    print(
+        f"| {'file':<24} | {'cp':>6} | {'sha256sum':>9} | {'prewarm CLI':>11} | "
+        f"{'copy phase':>10} | CLI/cp | phase/cp |"
+    )
     print(f"|{'-' * 26}|{'-' * 8}|{'-' * 11}|{'-' * 13}|{'-' * 12}|--------|----------|")
     for name, r in rows.items():
-        print(f"| {name:<24} | {r['cp']:>6.0f} | {r['sha256sum']:>9.0f} | {r['prewarm']:>11.0f} "
-              f"| {r['copy_phase']:>10.0f} | {r['prewarm'] / r['cp']:>5.2f}× "
-              f"| {r['copy_phase'] / r['cp']:>7.2f}× |")
+        print(
+            f"| {name:<24} | {r['cp']:>6.0f} | {r['sha256sum']:>9.0f} | {r['prewarm']:>11.0f} "
+            f"| {r['copy_phase']:>10.0f} | {r['prewarm'] / r['cp']:>5.2f}× "
+            f"| {r['copy_phase'] / r['cp']:>7.2f}× |"
+        )
 
 
 # --- 2. slow storage ------------------------------------------------------------------------
+
 
 @dataclass
 class SlowDisk:
@@ -166,8 +181,12 @@ def slow_disk(work: Path, size_mib: int, bps: int) -> Iterator[SlowDisk]:
     with image.open("wb") as f:
         f.truncate(size_mib << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
-    device = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", str(image)],
-                            check=True, capture_output=True, text=True).stdout.strip()
+    device = subprocess.run(
+        ["losetup", "--find", "--show", "--direct-io=on", str(image)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     cgroup = BLKIO / f"ember-bench-{os.getpid()}"
     try:
         mount.mkdir(exist_ok=True)
@@ -202,15 +221,27 @@ def slow_storage(work: Path, model: Model, reps: int, mbps: int) -> None:
         shutil.copyfile(model.path, slow.path)
         os.sync()
         read = measured_read_mbps(slow.path, disk)
-        print(f"\n## 2. Slow storage: {disk.device} ext4, blkio read_bps_device = {mbps} MB/s; "
-              f"measured cold `dd` read {read:.1f} MB/s")
+        print(
+            f"\n## 2. Slow storage: {disk.device} ext4, blkio read_bps_device = {mbps} MB/s; "
+            f"measured cold `dd` read {read:.1f} MB/s"
+        )
         if read > mbps * 1.5:
             print("   !! the throttle did not hold: the slow-disk figures below are not slow")
         target = SHM / "ember-bench-slow"
         config = write_config(work, slow, target)
-        rows: dict[str, list[float]] = {k: [] for k in (
-            "bare_ready", "prewarm", "ready_from_shm", "restart_shm", "restart_disk_cold",
-            "restart_disk_warm", "load_shm", "load_disk_cold")}
+        rows: dict[str, list[float]] = {
+            k: []
+            for k in (
+                "bare_ready",
+                "prewarm",
+                "ready_from_shm",
+                "restart_shm",
+                "restart_disk_cold",
+                "restart_disk_warm",
+                "load_shm",
+                "load_disk_cold",
+            )
+        }
         for _ in range(reps):
             drop_caches()
             bare = runtime_ready(slow.path, disk)
@@ -245,16 +276,24 @@ def print_slow(m: dict[str, float]) -> None:
     print("\n### (b) runtime restart (median s)")
     print("| restart from                                | ready s | load+eval s |")
     print("|---------------------------------------------|---------|-------------|")
-    print(f"| shm copy (page cache dropped: no effect)    | {m['restart_shm']:7.2f} | "
-          f"{m['load_shm']:11.2f} |")
-    print(f"| slow disk, page cache dropped (re-read)     | {m['restart_disk_cold']:7.2f} | "
-          f"{m['load_disk_cold']:11.2f} |")
-    print(f"| slow disk, page cache still warm            | {m['restart_disk_warm']:7.2f} | "
-          f"{'':>11} |")
-    print(f"speed-up shm vs re-read slow disk = "
-          f"{m['restart_disk_cold'] / m['restart_shm']:.1f}×  (goal ≥ 5×); "
-          f"shm restart / warm in-memory restart = "
-          f"{m['restart_shm'] / m['restart_disk_warm']:.2f}  (goal ≤ 1.2)")
+    print(
+        f"| shm copy (page cache dropped: no effect)    | {m['restart_shm']:7.2f} | "
+        f"{m['load_shm']:11.2f} |"
+    )
+    print(
+        f"| slow disk, page cache dropped (re-read)     | {m['restart_disk_cold']:7.2f} | "
+        f"{m['load_disk_cold']:11.2f} |"
+    )
+    print(
+        f"| slow disk, page cache still warm            | {m['restart_disk_warm']:7.2f} | "
+        f"{'':>11} |"
+    )
+    print(
+        f"speed-up shm vs re-read slow disk = "
+        f"{m['restart_disk_cold'] / m['restart_shm']:.1f}×  (goal ≥ 5×); "
+        f"shm restart / warm in-memory restart = "
+        f"{m['restart_shm'] / m['restart_disk_warm']:.2f}  (goal ≤ 1.2)"
+    )
 
 
 def generated(work: Path, mib: int) -> Model:
@@ -267,12 +306,16 @@ def generated(work: Path, mib: int) -> Model:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--sizes-mib", default="2048", help="generated file sizes, comma-separated")
-    p.add_argument("--no-gemma", action="store_true",
-                   help="generated files only (a host without the model package)")
+    p.add_argument(
+        "--no-gemma",
+        action="store_true",
+        help="generated files only (a host without the model package)",
+    )
     p.add_argument("--slow-mbps", type=int, default=50)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "ember-bench")
     p.add_argument("--skip-throughput", action="store_true")
@@ -281,8 +324,9 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("needs root: drop_caches, losetup, mount and blkio cgroups")
     args.work.mkdir(parents=True, exist_ok=True)
-    print(f"# prewarm bench: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
-          f"reps {args.reps}")
+    print(
+        f"# prewarm bench: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, reps {args.reps}"
+    )
     gemma = None
     if not args.no_gemma:
         from ember_runtime.models import default_model_path
@@ -293,7 +337,8 @@ def main() -> None:
         rows = {}
         if gemma is not None:
             rows[f"gemma-3-270m ({gemma.size / 1e6:.0f} MB)"] = throughput(
-                args.work, gemma, args.reps)
+                args.work, gemma, args.reps
+            )
         for mib in (int(x) for x in args.sizes_mib.split(",")):
             big = generated(args.work, mib)
             rows[f"generated ({big.size / 1e6:.0f} MB)"] = throughput(args.work, big, args.reps)

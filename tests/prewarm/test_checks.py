@@ -53,10 +53,16 @@ def setup(make_setup: MakeSetup) -> Setup:
 
 
 def _host(tmp_path: Path, **kw: object) -> Host:
-    proc = _tree(tmp_path / "proc",
-                 {"meminfo": _meminfo(8 << 20), "cpuinfo": "flags\t: sse avx2\n"})
-    fields: dict[str, object] = {"proc": proc, "dev": tmp_path / "dev",
-                                 "cgroup": tmp_path / "cgroup", "env": {}, "machine": "x86_64"}
+    proc = _tree(
+        tmp_path / "proc", {"meminfo": _meminfo(8 << 20), "cpuinfo": "flags\t: sse avx2\n"}
+    )
+    fields: dict[str, object] = {
+        "proc": proc,
+        "dev": tmp_path / "dev",
+        "cgroup": tmp_path / "cgroup",
+        "env": {},
+        "machine": "x86_64",
+    }
     fields.update(kw)
     return Host(**fields)  # type: ignore[arg-type]
 
@@ -75,8 +81,14 @@ def test_memory_from_meminfo_and_cgroups(tmp_path: Path, setup: Setup) -> None:
 
 
 def test_memory_cgroup_v1_and_unlimited(tmp_path: Path, setup: Setup) -> None:
-    _tree(tmp_path / "cgroup", {"memory/memory.limit_in_bytes": str(MODEL // 2),
-                                "memory/memory.usage_in_bytes": "0", "memory.max": "max"})
+    _tree(
+        tmp_path / "cgroup",
+        {
+            "memory/memory.limit_in_bytes": str(MODEL // 2),
+            "memory/memory.usage_in_bytes": "0",
+            "memory.max": "max",
+        },
+    )
     result = check_memory(Preflight(setup.config, _host(tmp_path)))
     assert result.status is Status.FAIL
     assert result.value == "available 0.5 MB (cgroup), model 1.0 MB"
@@ -93,8 +105,9 @@ def test_memory_cgroup_v1_and_unlimited(tmp_path: Path, setup: Setup) -> None:
         ("riscv64", "isa\t: rv64imafdc\n", "cpu", Status.WARN),
     ],
 )
-def test_cpu_features(tmp_path: Path, make_setup: MakeSetup,
-                      case: tuple[str, str, str, Status]) -> None:
+def test_cpu_features(
+    tmp_path: Path, make_setup: MakeSetup, case: tuple[str, str, str, Status]
+) -> None:
     machine, cpuinfo, accelerator, status = case
     s = make_setup({"m": b"m"}, accelerator=accelerator)
     host = _host(tmp_path, machine=machine, proc=_tree(tmp_path / "p", {"cpuinfo": cpuinfo}))
@@ -162,8 +175,11 @@ BANNER = "| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.
 
 def test_gpu_checks_via_nvidia_smi(tmp_path: Path, make_setup: MakeSetup) -> None:
     s = make_setup({"m": b"m" * MODEL}, accelerator="nvidia-gpu")
-    exe = _fake_nvidia_smi(tmp_path / "bin", "0, NVIDIA H200, 550.54.15, 140000, 143771\n"
-                           "1, NVIDIA H200, 550.54.15, 10, 143771\n", BANNER)
+    exe = _fake_nvidia_smi(
+        tmp_path / "bin",
+        "0, NVIDIA H200, 550.54.15, 140000, 143771\n1, NVIDIA H200, 550.54.15, 10, 143771\n",
+        BANNER,
+    )
     results = _gpu_results(s.config, tmp_path, exe)
     assert results["nvidia driver"].status is Status.OK
     assert results["nvidia driver"].value == "2× NVIDIA H200, driver 550.54.15, CUDA 12.4"
@@ -213,5 +229,9 @@ def test_report_table_and_json() -> None:
     assert table[-1] == "FAIL: 1 ok, 1 warnings, 1 failed"
     doc = to_json(results)
     assert doc["ok"] is False and doc["summary"] == {"ok": 1, "warn": 1, "fail": 1}
-    assert doc["checks"][1] == {"name": "free memory", "status": "warn",
-                                "value": "available 1.0 MB", "detail": "tight"}
+    assert doc["checks"][1] == {
+        "name": "free memory",
+        "status": "warn",
+        "value": "available 1.0 MB",
+        "detail": "tight",
+    }

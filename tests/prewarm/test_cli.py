@@ -58,8 +58,17 @@ def test_changed_config_is_copied_again(make_setup: MakeSetup) -> None:
     assert run_cli("prewarm", "--config", s.config_path).returncode == 0
     inode = (s.target / "a.bin").stat().st_ino
     (s.model_dir / "a.bin").write_bytes(b"new bytes")
-    s.write(s.config.model_copy(update={"files": [ModelFile(
-        path="a.bin", sha256=hashlib.sha256(b"new bytes").hexdigest(), size_bytes=9)]}))
+    s.write(
+        s.config.model_copy(
+            update={
+                "files": [
+                    ModelFile(
+                        path="a.bin", sha256=hashlib.sha256(b"new bytes").hexdigest(), size_bytes=9
+                    )
+                ]
+            }
+        )
+    )
 
     done = run_cli("prewarm", "--config", s.config_path)
 
@@ -105,8 +114,15 @@ def test_missing_file(make_setup: MakeSetup) -> None:
 def test_too_small_target_fails_before_copying(make_setup: MakeSetup) -> None:
     s = make_setup({"model.gguf": os.urandom(4 << 20)})
 
-    done = run_cli("prewarm", "--config", s.config_path, "--shm-limit-bytes", str(2 << 20),
-                   "--margin-bytes", "0")
+    done = run_cli(
+        "prewarm",
+        "--config",
+        s.config_path,
+        "--shm-limit-bytes",
+        str(2 << 20),
+        "--margin-bytes",
+        "0",
+    )
 
     assert done.returncode == 1
     reason = s.termination_log.read_text()
@@ -132,8 +148,11 @@ def test_termination_log_flag_and_bad_config(tmp_path: Path) -> None:
 
 def test_unsafe_path_is_rejected(make_setup: MakeSetup) -> None:
     s = make_setup({"a.bin": b"a"})
-    s.write(s.config.model_copy(update={"files": [s.config.files[0].model_copy(
-        update={"path": "../../etc/passwd"})]}))
+    s.write(
+        s.config.model_copy(
+            update={"files": [s.config.files[0].model_copy(update={"path": "../../etc/passwd"})]}
+        )
+    )
 
     done = run_cli("prewarm", "--config", s.config_path)
 
@@ -158,8 +177,14 @@ def test_diagnose_table_and_json(make_setup: MakeSetup) -> None:
     assert doc["ok"] is True
     assert set(doc["summary"]) == {"ok", "warn", "fail"}
     names = [c["name"] for c in doc["checks"]]
-    assert names == ["source files", "file permissions", "target writable", "shm free space",
-                     "free memory", "cpu features"]
+    assert names == [
+        "source files",
+        "file permissions",
+        "target writable",
+        "shm free space",
+        "free memory",
+        "cpu features",
+    ]
     assert all(set(c) == {"name", "status", "value", "detail"} for c in doc["checks"])
     assert not s.target.exists()  # diagnose changes nothing on the node
 
@@ -189,7 +214,9 @@ def _sparse(path: Path, size: int) -> None:
 def _start_and_wait_for_progress(config: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [*CLI, "prewarm", "--config", str(config), "--progress-interval", "0.02"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + 60

@@ -62,8 +62,9 @@ def test_stop_mid_copy_removes_temp(make_setup: MakeSetup) -> None:
     progress = StopAfter(4 << 20, 1 << 20, stop)
 
     with pytest.raises(Interrupted):
-        copy_verified(s.model_dir, s.target, s.config.files[0], progress=progress, stop=stop,
-                      options=SMALL)
+        copy_verified(
+            s.model_dir, s.target, s.config.files[0], progress=progress, stop=stop, options=SMALL
+        )
 
     assert 1 << 20 <= progress.done_bytes < 4 << 20
     assert _listing(s.target) == []
@@ -75,8 +76,14 @@ def test_one_failure_stops_the_siblings(make_setup: MakeSetup) -> None:
     s.target.mkdir(parents=True)
 
     with pytest.raises(ChecksumMismatch, match=r"^checksum mismatch: c.bin expected ffffffffffff…"):
-        copy_all(s.model_dir, s.target, [*s.config.files[:2], bad],
-                 progress=Progress(1, io.StringIO()), stop=threading.Event(), options=SMALL)
+        copy_all(
+            s.model_dir,
+            s.target,
+            [*s.config.files[:2], bad],
+            progress=Progress(1, io.StringIO()),
+            stop=threading.Event(),
+            options=SMALL,
+        )
 
     assert not any(".partial-" in name for name in _listing(s.target))
     assert "c.bin" not in _listing(s.target)
@@ -89,12 +96,19 @@ def test_source_longer_or_shorter_than_config(make_setup: MakeSetup) -> None:
     progress = Progress(10, io.StringIO())
     longer = spec.model_copy(update={"size_bytes": 4})
     with pytest.raises(SizeMismatch, match=r"size mismatch: m\.bin expected 4 bytes got 10"):
-        copy_verified(s.model_dir, s.target, longer, progress=progress, stop=threading.Event(),
-                      options=CopyOptions(2))
+        copy_verified(
+            s.model_dir,
+            s.target,
+            longer,
+            progress=progress,
+            stop=threading.Event(),
+            options=CopyOptions(2),
+        )
     shorter = spec.model_copy(update={"size_bytes": 20})
     with pytest.raises(SizeMismatch, match="expected 20 bytes got 10"):
-        copy_verified(s.model_dir, s.target, shorter, progress=progress, stop=threading.Event(),
-                      options=SMALL)
+        copy_verified(
+            s.model_dir, s.target, shorter, progress=progress, stop=threading.Event(), options=SMALL
+        )
     assert _listing(s.target) == []
 
 
@@ -103,8 +117,14 @@ def test_missing_source_during_copy(make_setup: MakeSetup) -> None:
     s.target.mkdir(parents=True)
     gone = ModelFile(path="gone.bin", sha256="0" * 64, size_bytes=1)
     with pytest.raises(PrewarmError, match=r"^missing file: gone.bin"):
-        copy_verified(s.model_dir, s.target, gone, progress=Progress(1, io.StringIO()),
-                      stop=threading.Event(), options=SMALL)
+        copy_verified(
+            s.model_dir,
+            s.target,
+            gone,
+            progress=Progress(1, io.StringIO()),
+            stop=threading.Event(),
+            options=SMALL,
+        )
 
 
 def test_digest_matches_hashlib_across_buffer_sizes(make_setup: MakeSetup) -> None:
@@ -112,9 +132,14 @@ def test_digest_matches_hashlib_across_buffer_sizes(make_setup: MakeSetup) -> No
     s = make_setup({"m.bin": data})
     s.target.mkdir(parents=True)
     for buffer_bytes in (4093, 1 << 16, 1 << 20, 4 << 20):
-        entry = copy_verified(s.model_dir, s.target, s.config.files[0],
-                              progress=Progress(len(data), io.StringIO()), stop=threading.Event(),
-                              options=CopyOptions(buffer_bytes=buffer_bytes))
+        entry = copy_verified(
+            s.model_dir,
+            s.target,
+            s.config.files[0],
+            progress=Progress(len(data), io.StringIO()),
+            stop=threading.Event(),
+            options=CopyOptions(buffer_bytes=buffer_bytes),
+        )
         assert entry.sha256 == hashlib.sha256(data).hexdigest()
         assert (s.target / "m.bin").read_bytes() == data
 

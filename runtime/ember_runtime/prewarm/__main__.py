@@ -53,16 +53,25 @@ def _non_negative(text: str) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help=f"config YAML (default: ${CONFIG_ENV}, then "
-                   "/etc/ember/config.yaml)")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help=f"config YAML (default: ${CONFIG_ENV}, then /etc/ember/config.yaml)",
+    )
     p.add_argument("--model-dir", help="override config modelDir (the source)")
     p.add_argument("--prewarm-dir", help="override config prewarmDir (the shm target)")
     p.add_argument("--termination-log", type=Path, help="override config terminationLog")
-    p.add_argument("--shm-limit-bytes", type=_positive,
-                   help="size limit of the target volume (an emptyDir sizeLimit is invisible "
-                   "to statvfs)")
-    p.add_argument("--margin-bytes", type=_non_negative, default=DEFAULT_MARGIN_BYTES,
-                   help="free space to keep beyond the model (default %(default)s)")
+    p.add_argument(
+        "--shm-limit-bytes",
+        type=_positive,
+        help="size limit of the target volume (an emptyDir sizeLimit is invisible to statvfs)",
+    )
+    p.add_argument(
+        "--margin-bytes",
+        type=_non_negative,
+        default=DEFAULT_MARGIN_BYTES,
+        help="free space to keep beyond the model (default %(default)s)",
+    )
     p.add_argument("--proc-root", type=Path, default=Path("/proc"))
     p.add_argument("--dev-root", type=Path, default=Path("/dev"))
     p.add_argument("--cgroup-root", type=Path, default=Path("/sys/fs/cgroup"))
@@ -70,13 +79,20 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ember_runtime.prewarm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m ember_runtime.prewarm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     pw = sub.add_parser("prewarm", help="verify and copy the model into shared memory")
     _common(pw)
-    pw.add_argument("--parallel", type=_positive, default=DEFAULT_PARALLEL,
-                    help="files copied at once (default %(default)s)")
+    pw.add_argument(
+        "--parallel",
+        type=_positive,
+        default=DEFAULT_PARALLEL,
+        help="files copied at once (default %(default)s)",
+    )
     pw.add_argument("--buffer-mib", type=_positive, default=1, help="read size (default 1 MiB)")
     pw.add_argument("--progress-interval", type=float, default=1.0, help=argparse.SUPPRESS)
     dg = sub.add_parser("diagnose", help="print the node preflight checks")
@@ -98,10 +114,15 @@ def _config(args: argparse.Namespace) -> RuntimeConfig:
 
 
 def _preflight(args: argparse.Namespace, config: RuntimeConfig) -> Preflight:
-    host = Host(proc=args.proc_root, dev=args.dev_root, cgroup=args.cgroup_root,
-                gpu=NvidiaSmiProbe(args.nvidia_smi))
-    return Preflight(config, host, shm_limit_bytes=args.shm_limit_bytes,
-                     margin_bytes=args.margin_bytes)
+    host = Host(
+        proc=args.proc_root,
+        dev=args.dev_root,
+        cgroup=args.cgroup_root,
+        gpu=NvidiaSmiProbe(args.nvidia_smi),
+    )
+    return Preflight(
+        config, host, shm_limit_bytes=args.shm_limit_bytes, margin_bytes=args.margin_bytes
+    )
 
 
 def _config_error(err: Exception) -> str:

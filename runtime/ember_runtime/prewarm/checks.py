@@ -82,7 +82,10 @@ class NvidiaSmiProbe:
     def _run(exe: str, *args: str) -> str:
         try:
             done = subprocess.run(
-                [exe, *args], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S,
+                [exe, *args],
+                capture_output=True,
+                text=True,
+                timeout=NVIDIA_SMI_TIMEOUT_S,
                 check=False,
             )
         except (OSError, subprocess.TimeoutExpired) as err:
@@ -99,8 +102,12 @@ def _parse_gpu_row(line: str, cuda: str) -> GpuInfo:
         raise ProbeError(f"unexpected nvidia-smi line: {line!r}")
     try:
         return GpuInfo(
-            index=int(parts[0]), name=parts[1], driver_version=parts[2], cuda_version=cuda,
-            memory_free_bytes=int(parts[3]) << 20, memory_total_bytes=int(parts[4]) << 20,
+            index=int(parts[0]),
+            name=parts[1],
+            driver_version=parts[2],
+            cuda_version=cuda,
+            memory_free_bytes=int(parts[3]) << 20,
+            memory_total_bytes=int(parts[4]) << 20,
         )
     except ValueError as err:
         raise ProbeError(f"unexpected nvidia-smi line: {line!r}") from err
@@ -173,7 +180,8 @@ def check_permissions(pf: Preflight) -> CheckResult:
     name = "file permissions"
     root = Path(pf.config.model_dir)
     unreadable = [
-        f.path for f in pf.config.files
+        f.path
+        for f in pf.config.files
         if (root / f.path).exists() and not os.access(root / f.path, os.R_OK)
     ]
     if unreadable:
@@ -326,7 +334,8 @@ def check_gpu(pf: Preflight) -> list[CheckResult]:
         return [CheckResult("nvidia driver", Status.FAIL, "nvidia-smi lists no GPU")]
     g = gpus[0]
     driver = CheckResult(
-        "nvidia driver", Status.OK,
+        "nvidia driver",
+        Status.OK,
         f"{len(gpus)}× {g.name}, driver {g.driver_version}, CUDA {g.cuda_version}",
     )
     best = max(gpus, key=lambda x: x.memory_free_bytes)
@@ -345,11 +354,13 @@ def check_npu(pf: Preflight) -> list[CheckResult]:
         missing.insert(0, "davinci<N>")
     nodes = (
         CheckResult("npu devices", Status.FAIL, f"missing {', '.join(missing)}", str(dev))
-        if missing else CheckResult("npu devices", Status.OK, ", ".join(chips))
+        if missing
+        else CheckResult("npu devices", Status.OK, ", ".join(chips))
     )
     found = [f"{k}={pf.host.env[k]}" for k in NPU_ENV if pf.host.env.get(k)]
     env = (
-        CheckResult("npu env", Status.OK, ", ".join(found)) if found
+        CheckResult("npu env", Status.OK, ", ".join(found))
+        if found
         else CheckResult("npu env", Status.FAIL, f"neither {' nor '.join(NPU_ENV)} is set")
     )
     return [nodes, env]

@@ -103,7 +103,12 @@ def _temp_file(final: Path) -> Iterator[tuple[Path, int]]:
 
 
 def _stream(
-    src_fd: int, dst_fd: int, spec: ModelFile, *, hasher: _Hasher, progress: Progress,
+    src_fd: int,
+    dst_fd: int,
+    spec: ModelFile,
+    *,
+    hasher: _Hasher,
+    progress: Progress,
     stop: threading.Event,
 ) -> int:
     """Read `src_fd` into `dst_fd` and the hasher; returns the number of bytes copied."""
@@ -126,7 +131,12 @@ def _stream(
 
 
 def _copy_checked(
-    src_fd: int, dst_fd: int, spec: ModelFile, *, progress: Progress, stop: threading.Event,
+    src_fd: int,
+    dst_fd: int,
+    spec: ModelFile,
+    *,
+    progress: Progress,
+    stop: threading.Event,
     options: CopyOptions,
 ) -> str:
     """Stream the whole file, then check its size and digest; returns the sha256."""
@@ -147,8 +157,13 @@ def _copy_checked(
 
 
 def copy_verified(
-    source_dir: Path, target_dir: Path, spec: ModelFile, *, progress: Progress,
-    stop: threading.Event, options: CopyOptions,
+    source_dir: Path,
+    target_dir: Path,
+    spec: ModelFile,
+    *,
+    progress: Progress,
+    stop: threading.Event,
+    options: CopyOptions,
 ) -> ManifestEntry:
     """Copy one file, verify its size and sha256, and rename it into place."""
     final = target_dir / spec.path
@@ -177,8 +192,13 @@ def copy_verified(
 
 
 def copy_all(
-    source_dir: Path, target_dir: Path, files: list[ModelFile], *, progress: Progress,
-    stop: threading.Event, options: CopyOptions,
+    source_dir: Path,
+    target_dir: Path,
+    files: list[ModelFile],
+    *,
+    progress: Progress,
+    stop: threading.Event,
+    options: CopyOptions,
 ) -> list[ManifestEntry]:
     """Copy `files` with up to `options.parallel` at once; the first failure stops the rest."""
     if not files:
@@ -186,8 +206,15 @@ def copy_all(
     workers = max(1, min(options.parallel, len(files)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prewarm-copy") as pool:
         futures = [
-            pool.submit(copy_verified, source_dir, target_dir, f,
-                        progress=progress, stop=stop, options=options)
+            pool.submit(
+                copy_verified,
+                source_dir,
+                target_dir,
+                f,
+                progress=progress,
+                stop=stop,
+                options=options,
+            )
             for f in files
         ]
         wait(futures, return_when=FIRST_EXCEPTION)

@@ -25,7 +25,10 @@ def _say(out: TextIO, text: str) -> None:
 
 
 def prewarm(
-    pf: Preflight, options: CopyOptions, out: TextIO, stop: threading.Event,
+    pf: Preflight,
+    options: CopyOptions,
+    out: TextIO,
+    stop: threading.Event,
     progress_interval_s: float = 1.0,
 ) -> Manifest:
     """Leave `pf.target` holding the verified model and its manifest, or raise PrewarmError."""
@@ -52,8 +55,12 @@ def prewarm(
         (target / f.path).unlink(missing_ok=True)
     with Progress(pf.config.total_bytes(), out, progress_interval_s) as progress:
         entries = copy_all(
-            Path(pf.config.model_dir), target, list(pf.config.files),
-            progress=progress, stop=stop, options=options,
+            Path(pf.config.model_dir),
+            target,
+            list(pf.config.files),
+            progress=progress,
+            stop=stop,
+            options=options,
         )
     manifest = Manifest(
         model_name=pf.config.model_name, engine_kind=pf.config.engine.kind, files=entries
