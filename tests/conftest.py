@@ -65,6 +65,10 @@ _STARTED_BY_SESSION: dict[str, bool] = {}
 def cluster() -> Iterator[Cluster]:
     cluster = Cluster()
     _STARTED_BY_SESSION["cp"] = not cluster.is_up(with_node=False)
+    if _STARTED_BY_SESSION["cp"]:
+        # Leftovers of a cluster that was killed rather than stopped (stale mounts, sandboxes,
+        # the bridge) would confuse the new one: clear them first.
+        cluster.down()
     yield cluster
     keep = os.environ.get("EMBER_KEEP_CLUSTER") == "1"
     if not keep and (_STARTED_BY_SESSION.get("cp") or _STARTED_BY_SESSION.get("node")):

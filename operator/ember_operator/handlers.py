@@ -8,8 +8,12 @@ reconcile reads nothing from the API server and writes nothing to it.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import dataclasses
 import datetime as dt
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import kopf
+from kubernetes import client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -27,6 +32,10 @@ from ember_operator.api import GROUP, PLURAL, VERSION
 from ember_operator.api.models import InferenceDeploymentSpec, parse_spec
 from ember_operator.apply import Applier, api_client, get_object
 from ember_operator.settings import MANAGED_BY, OperatorSettings, load_settings
+from ember_operator.thermal.actions import ObjectRef
+from ember_operator.thermal.loop import ThermalLoop, ThermalReport, throttled_condition
+from ember_operator.thermal.policy import ThermalLimits
+from ember_operator.thermal.poller import replicas_from_pods
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
@@ -35,6 +44,10 @@ SETTINGS = load_settings()
 # API errors a retry cannot fix (the request itself is wrong); everything else backs off.
 PERMANENT_STATUSES = frozenset({400, 403, 422})
 RENDER_CACHE_SIZE = 4096
+# The thermal loop's period: the issue asks for a new batch size within 2 s of a crossing.
+THERMAL_SECONDS = 1.0
+# API keys are re-read this often, so a rotated Secret reaches the poller without a restart.
+API_KEY_TTL_SECONDS = 300.0
 
 
 @dataclass
@@ -44,13 +57,28 @@ class Context:
     settings: OperatorSettings
     renders: OrderedDict[tuple[str, int], Plan] = field(default_factory=OrderedDict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # The latest thermal tick per (namespace, name): both timers compute status from it, so the
+    # thermal timer and the resync timer always agree and never undo each other's writes.
+    thermal: dict[tuple[str, str], status.Thermal] = field(default_factory=dict)
+    # (namespace, secret, key) -> (API key, monotonic time read)
+    api_keys: dict[tuple[str, str, str], tuple[str | None, float]] = field(default_factory=dict)
 
 
 @kopf.on.login()
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """Kopf's own login, not the client library's: that one reads $KUBECONFIG only at import."""
     info: kopf.ConnectionInfo | None = kopf.login_with_service_account(**kwargs)
+    host = os.environ.get("KUBERNETES_SERVICE_HOST")
+    port = os.environ.get("KUBERNETES_SERVICE_PORT")
+    if info is not None and host and port:
+        # Like client-go's in-cluster config: the env vars, not the kubernetes.default.svc name
+        # Kopf assumes, so clusters without cluster DNS (common on edge boxes) work too.
+        info = dataclasses.replace(info, server=f"https://{_host(host)}:{port}")
     return info or kopf.login_with_kubeconfig(**kwargs)
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # IPv6 literals need brackets in URLs
 
 
 @kopf.on.startup()
@@ -71,6 +99,20 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.ctx = Context(
         api=api, applier=Applier(api, SETTINGS.api_timeout_seconds), settings=SETTINGS
     )
+
+
+@kopf.on.startup()
+async def start_thermal(memo: kopf.Memo, **_: Any) -> None:
+    """Runs after `configure` (Kopf keeps declaration order); adopts nodes already tainted hot."""
+    memo.thermal = ThermalLoop(client.CoreV1Api(memo.ctx.api))
+    await memo.thermal.start()
+
+
+@kopf.on.cleanup()
+async def close_thermal(memo: kopf.Memo, **_: Any) -> None:
+    loop = memo.get("thermal")
+    if loop is not None:
+        await loop.close()
 
 
 @kopf.on.cleanup()
@@ -129,10 +171,20 @@ def pdb_index(**kwargs: Any) -> Any:
     return _index_child(**kwargs)
 
 
+def _pod_source(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a pod the thermal poller needs (`replicas_from_pods`), and no more."""
+    meta, spec, st = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
+    return {
+        "metadata": {k: meta.get(k) for k in ("name", "deletionTimestamp")},
+        "spec": {"nodeName": spec.get("nodeName")},
+        "status": {"podIP": st.get("podIP"), "conditions": st.get("conditions") or []},
+    }
+
+
 @kopf.index("v1", "pods", labels=CHILD_LABELS)
 def pod_index(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> Any:
     key = _key(namespace, labels)
-    return {key: status.pod_summary(body)} if key else {}
+    return {key: {**status.pod_summary(body), "source": _pod_source(body)}} if key else {}
 
 
 INDEX_BY_KIND = {
@@ -221,6 +273,7 @@ def sync(ctx: Context, *, body: kopf.Body, patch: kopf.Patch, indexes: Mapping[s
         pods=pods,
         problems=plan.problems,
         desired=plan.spec.replicas,
+        thermal=ctx.thermal.get(key) or _first_thermal(body, plan.spec),
     )
     return "problem" if plan.problems else "ok"
 
@@ -233,6 +286,8 @@ def _set_status(
     pods: list[Mapping[str, Any]],
     problems: list[render.Problem],
     desired: int = 0,
+    thermal: status.Thermal | None = None,
+    announce: bool = True,
 ) -> None:
     """Put only the changed status fields into Kopf's patch: an empty patch is no write."""
     meta = body["metadata"]
@@ -244,6 +299,7 @@ def _set_status(
         pods=pods,
         problems=problems,
         selector=render.selector_string(meta["name"]),
+        thermal=thermal,
     )
     new = status.compute_status(obs, old, _now())
     for name, value in status.changed_fields(new, old).items():
@@ -252,7 +308,8 @@ def _set_status(
     metrics.record_conditions(
         (meta["namespace"], meta["name"]), {t: c["status"] for t, c in conds.items()}
     )
-    _announce_degraded(body, conds[status.DEGRADED], old.get("conditions") or [])
+    if announce:
+        _announce_degraded(body, conds[status.DEGRADED], old.get("conditions") or [])
 
 
 def _announce_degraded(
@@ -318,8 +375,107 @@ def resync(**kwargs: Any) -> None:
 
 
 @kopf.on.delete(*RESOURCE, optional=True)
-def forget(namespace: str | None, name: str | None, **_: Any) -> None:
+def forget(namespace: str | None, name: str | None, memo: kopf.Memo, **_: Any) -> None:
     metrics.record_conditions((str(namespace), str(name)), None)
+    ctx = memo.get("ctx")
+    if ctx is not None:
+        ctx.thermal.pop((str(namespace), str(name)), None)
+
+
+# ----------------------------------------------------------------------------- thermal
+
+
+def _api_key(
+    ctx: Context, namespace: str, spec: InferenceDeploymentSpec, logger: Any
+) -> str | None:
+    """The key the runtime demands (needs `secrets get`); cached, re-read every few minutes."""
+    ref = spec.server.api_key_secret_ref
+    if ref is None:
+        return None
+    cache_key = (namespace, ref.name, ref.key)
+    cached = ctx.api_keys.get(cache_key)
+    if cached is not None and time.monotonic() - cached[1] < API_KEY_TTL_SECONDS:
+        return cached[0]
+    try:
+        secret: Any = client.CoreV1Api(ctx.api).read_namespaced_secret(ref.name, namespace)
+        raw = (secret.data or {}).get(ref.key)
+        value = base64.b64decode(raw).decode().strip() if raw else None
+    except ApiException as exc:  # the replicas will answer 401; status keeps the last values
+        logger.warning("cannot read API key %s/%s: %s", namespace, ref.name, exc.reason)
+        value = None
+    ctx.api_keys[cache_key] = (value, time.monotonic())
+    return value
+
+
+def _first_thermal(body: kopf.Body, spec: InferenceDeploymentSpec) -> status.Thermal | None:
+    """Before the first tick: the Throttled condition a tick over no readings would give, so the
+    reconcile's first status already holds it and the thermal timer has nothing to add. Once
+    status has one (e.g. after a restart), None keeps it until a real tick says otherwise."""
+    conditions = (body.get("status") or {}).get("conditions") or []
+    if any(c.get("type") == status.THROTTLED for c in conditions):
+        return None
+    try:
+        limits = ThermalLimits.from_spec(spec)
+    except ValueError:
+        return None
+    return status.Thermal({}, None, throttled_condition([], limits))
+
+
+async def _thermal_report(
+    memo: kopf.Memo, body: kopf.Body, plan: Plan, pods: list[Mapping[str, Any]], logger: Any
+) -> status.Thermal:
+    limits = ThermalLimits.from_spec(plan.spec)
+    if not limits.adaptive:  # policy off: say so, touch no replica
+        return status.Thermal({}, None, throttled_condition([], limits))
+    meta = body["metadata"]
+    api_key = await asyncio.to_thread(_api_key, memo.ctx, meta["namespace"], plan.spec, logger)
+    replicas = replicas_from_pods([p["source"] for p in pods], plan.spec.server.port, api_key)
+    owner = ObjectRef(
+        f"{GROUP}/{VERSION}", "InferenceDeployment", meta["name"], meta["namespace"], meta["uid"]
+    )
+    report: ThermalReport = await memo.thermal.tick(owner, limits, replicas)
+    for action in report.actions:
+        logger.info("thermal: %s", action)
+    hottest = None if report.hottest_celsius is None else round(report.hottest_celsius)
+    return status.Thermal(report.replica_fields(), hottest, report.throttled)
+
+
+@kopf.timer(*RESOURCE, interval=THERMAL_SECONDS, id="thermal")
+async def thermal_tick(
+    memo: kopf.Memo, body: kopf.Body, patch: kopf.Patch, logger: Any, **kwargs: Any
+) -> None:
+    """Poll replicas, push batch sizes, vacate hot nodes; status through the same computation
+    as `sync`, so in steady state this writes nothing."""
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp"):
+        return
+    if (body.get("status") or {}).get("observedGeneration") != meta.get("generation"):
+        return  # a generation's first status (and its Degraded Event) is the reconcile's to write
+    ctx: Context = memo.ctx
+    key = (meta["namespace"], meta["name"])
+    try:
+        plan = await asyncio.to_thread(_planned, ctx, body)
+    except ValidationError:
+        return  # `sync` reports it as InvalidSpec
+    pod_index = kwargs["pod_index"]
+    pods = list(pod_index[key]) if key in pod_index else []
+    try:
+        ctx.thermal[key] = await _thermal_report(memo, body, plan, pods, logger)
+    except ValueError as exc:  # limits the CRD could not rule out (e.g. minBatch > maxBatch)
+        logger.warning("thermal loop skipped: %s", exc)
+        return
+    _set_status(
+        body=body,
+        patch=patch,
+        deployment=_first(kwargs.get("deployment_index"), key),
+        pods=pods,
+        problems=plan.problems,
+        desired=plan.spec.replicas,
+        thermal=ctx.thermal[key],
+        # Degraded's Event is the reconcile's to post: this timer runs beside the resync timer and
+        # may see the status from before the reconcile's patch, so it would post a duplicate.
+        announce=False,
+    )
 
 
 # ----------------------------------------------------------------------------- child repair

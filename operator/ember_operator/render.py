@@ -135,8 +135,16 @@ def runtime_config(
             port=spec.server.port,
             api_key_file=f"{API_KEY_DIR}/{ref.key}" if ref else None,
         ),
-        sensors=SensorSettings(nvml=spec.accelerator.kind == AcceleratorKind.NVIDIA_GPU),
+        sensors=SensorSettings(
+            sysfs_root=settings.host_sys_mount if _fake_sysfs(settings) else "/sys",
+            nvml=spec.accelerator.kind == AcceleratorKind.NVIDIA_GPU,
+        ),
     )
+
+
+def _fake_sysfs(settings: OperatorSettings) -> bool:
+    """The host's own /sys is visible in every container; any other root must be mounted."""
+    return settings.sensors_sysfs_root.rstrip("/") not in ("", "/sys")
 
 
 def config_data(
@@ -217,6 +225,10 @@ def _volumes_and_mounts(
         secret = {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}
         volumes.append({"name": "api-key", "secret": secret})
         runtime.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+    if _fake_sysfs(settings):
+        host = {"path": settings.sensors_sysfs_root, "type": "Directory"}
+        volumes.append({"name": "sensors", "hostPath": host})
+        runtime.append({"name": "sensors", "mountPath": settings.host_sys_mount, "readOnly": True})
     return volumes, runtime, prewarm
 
 

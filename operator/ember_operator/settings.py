@@ -53,6 +53,12 @@ class OperatorSettings(BaseSettings):
     prewarm_mount: str = "/run/ember/prewarm"
     config_mount: str = "/etc/ember"
     run_as_user: int = 65532
+    sensors_sysfs_root: str = Field(
+        default="/sys",
+        description="Host directory the runtime reads thermal zones from. Not /sys (a fake tree "
+        "on test fleets): mounted read-only at `host_sys_mount` in the runtime container.",
+    )
+    host_sys_mount: str = "/host-sys"
 
 
 def load_settings() -> OperatorSettings:

@@ -14,7 +14,8 @@ from typing import Any
 
 from ember_operator.render import Problem
 
-READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+READY, PROGRESSING, DEGRADED, THROTTLED = "Ready", "Progressing", "Degraded", "Throttled"
+THERMAL_FIELDS = ("temperatureCelsius", "maxBatchSize")
 # Container waiting reasons that will not fix themselves without a human.
 STUCK_REASONS = frozenset(
     {
@@ -89,6 +90,15 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Thermal:
+    """The latest thermal tick for one object (what `ThermalReport` carries, as status values)."""
+
+    replicas: Mapping[str, Mapping[str, Any]]  # pod -> {temperatureCelsius, maxBatchSize}
+    hottest_celsius: int | None
+    throttled: Mapping[str, Any]  # the Throttled condition, without times
+
+
+@dataclass(frozen=True)
 class Observed:
     generation: int
     desired: int
@@ -96,6 +106,8 @@ class Observed:
     pods: list[Mapping[str, Any]]
     problems: list[Problem]
     selector: str
+    # None until the thermal loop has ticked (e.g. just after a restart): keep what status says.
+    thermal: Thermal | None = None
 
 
 def _condition(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -164,10 +176,12 @@ def _with_times(
 
 
 def _replica_statuses(
-    pods: list[Mapping[str, Any]], old: Iterable[Mapping[str, Any]]
+    pods: list[Mapping[str, Any]], old: Iterable[Mapping[str, Any]], thermal: Thermal | None
 ) -> list[dict[str, Any]]:
-    """Per-pod rows; the thermal fields belong to the thermal controller, so keep its values."""
+    """Per-pod rows; thermal fields from the latest tick, else (unreachable replica, no tick yet)
+    the last values status holds."""
     previous = {r.get("pod"): r for r in old}
+    fresh = thermal.replicas if thermal else {}
     rows = []
     for pod in sorted(pods, key=lambda p: str(p.get("pod"))):
         if pod.get("deleting"):
@@ -177,8 +191,8 @@ def _replica_statuses(
             row["node"] = pod["node"]
         if pod.get("phase"):
             row["phase"] = pod["phase"]
-        for key in ("temperatureCelsius", "maxBatchSize"):
-            value = previous.get(pod["pod"], {}).get(key)
+        for key in THERMAL_FIELDS:
+            value = fresh.get(pod["pod"], {}).get(key, previous.get(pod["pod"], {}).get(key))
             if value is not None:
                 row[key] = value
         rows.append(row)
@@ -188,7 +202,12 @@ def _replica_statuses(
 def compute_status(obs: Observed, old: Mapping[str, Any], now: str) -> dict[str, Any]:
     """The whole status subresource for `obs`, reusing transition times from `old`."""
     replicas, ready, _ = _rollout(obs)
-    conditions = _with_times(conditions_for(obs), old.get("conditions") or [], now, obs.generation)
+    old_conditions = old.get("conditions") or []
+    computed = conditions_for(obs)
+    throttled = obs.thermal.throttled if obs.thermal else _find(old_conditions, THROTTLED)
+    if throttled:
+        computed.append({k: throttled.get(k, "") for k in ("type", "status", "reason", "message")})
+    conditions = _with_times(computed, old_conditions, now, obs.generation)
     by_type = {c["type"]: c for c in conditions}
     reason = (
         by_type[DEGRADED]["reason"]
@@ -197,7 +216,7 @@ def compute_status(obs: Observed, old: Mapping[str, Any], now: str) -> dict[str,
         if by_type[READY]["status"] == "True"
         else by_type[PROGRESSING]["reason"]
     )
-    return {
+    out = {
         "observedGeneration": obs.generation,
         "replicas": replicas,
         "readyReplicas": ready,
@@ -205,8 +224,20 @@ def compute_status(obs: Observed, old: Mapping[str, Any], now: str) -> dict[str,
         "reason": reason,
         "selector": obs.selector,
         "conditions": conditions,
-        "replicaStatuses": _replica_statuses(obs.pods, old.get("replicaStatuses") or []),
+        "replicaStatuses": _replica_statuses(
+            obs.pods, old.get("replicaStatuses") or [], obs.thermal
+        ),
     }
+    hottest = obs.thermal.hottest_celsius if obs.thermal else None
+    if hottest is None:
+        hottest = old.get("hottestCelsius")
+    if hottest is not None:
+        out["hottestCelsius"] = hottest
+    return out
+
+
+def _find(conditions: Iterable[Mapping[str, Any]], ctype: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == ctype), None)
 
 
 def changed_fields(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:

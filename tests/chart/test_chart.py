@@ -90,6 +90,12 @@ def test_rbac_has_no_wildcards_and_no_secrets(helm: str) -> None:
     assert not by_kind(docs, "Role")
 
 
+def test_secrets_only_when_api_keys_are_used(helm: str) -> None:
+    (role,) = by_kind(render(helm, "--set", "operator.readApiKeySecrets=true"), "ClusterRole")
+    secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+
+
 def test_device_plugin_daemonset_is_node_critical_and_scoped(helm: str) -> None:
     (ds,) = by_kind(render(helm), "DaemonSet")
     pod = ds["spec"]["template"]["spec"]

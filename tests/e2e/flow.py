@@ -103,6 +103,13 @@ class Flow:
             for value in values:
                 args += ["--set", value]
             self.run_helm(*args)
+        with timed("rolling the operator onto the freshly loaded image"):
+            # Same tag, new image: nothing in the pod template changed, so restart explicitly.
+            deploy = f"deploy/{RELEASE}-operator"
+            self.run_kubectl("-n", SYSTEM_NS, "rollout", "restart", deploy)
+            self.run_kubectl(
+                "-n", SYSTEM_NS, "rollout", "status", deploy, "--timeout=180s", timeout=200
+            )
 
     def uninstall(self) -> None:
         with timed(f"helm uninstall {RELEASE}"):

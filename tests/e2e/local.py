@@ -29,7 +29,6 @@ class LocalTarget:
         return [
             f"operator.apiServerOverride.host={HOST_IP}",
             f"operator.apiServerOverride.port={self.cluster.cp.eps.apiserver}",
-            "devicePlugin.nodeSelector.ember\\.dev/npu=true",
         ]
 
 

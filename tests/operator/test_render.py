@@ -16,10 +16,10 @@ OWNER = render.Owner(name="demo", namespace="ns", uid="u-1")
 SETTINGS = OperatorSettings(runtime_image="example/runtime:1")
 
 
-def _render(**overrides: Any) -> dict[str, dict[str, Any]]:
+def _render(settings: OperatorSettings = SETTINGS, **overrides: Any) -> dict[str, dict[str, Any]]:
     spec = parse_spec(manifest(**overrides)["spec"])
-    sized = sizing.compute(spec, SETTINGS, None)
-    return {m["kind"]: m for m in render.render(OWNER, spec, SETTINGS, sized)}
+    sized = sizing.compute(spec, settings, None)
+    return {m["kind"]: m for m in render.render(OWNER, spec, settings, sized)}
 
 
 def _pod(out: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -168,3 +168,29 @@ def test_schema_valid_but_unservable_specs_are_problems() -> None:
     assert [p.reason for p in render.problems(spec, sized)] == ["SharedMemoryTooSmall"]
     ok = parse_spec(manifest()["spec"])
     assert render.problems(ok, sizing.compute(ok, SETTINGS, None)) == []
+
+
+def _sensors_root(out: dict[str, dict[str, Any]]) -> str:
+    config = RuntimeConfig.model_validate(yaml.safe_load(out["ConfigMap"]["data"]["config.yaml"]))
+    return config.sensors.sysfs_root
+
+
+def test_host_sysfs_needs_no_volume() -> None:
+    out = _render()
+    pod = _pod(out)
+    assert _sensors_root(out) == "/sys"
+    assert "sensors" not in {v["name"] for v in pod["volumes"]}
+    assert "sensors" not in {m["name"] for m in pod["containers"][0]["volumeMounts"]}
+
+
+def test_fake_sysfs_root_is_mounted_read_only() -> None:
+    fake = OperatorSettings(runtime_image="example/runtime:1", sensors_sysfs_root="/var/fake-sys")
+    out = _render(fake)
+    pod = _pod(out)
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "sensors"]
+    assert volume["hostPath"] == {"path": "/var/fake-sys", "type": "Directory"}
+    runtime, *_ = pod["containers"]
+    (mount,) = [m for m in runtime["volumeMounts"] if m["name"] == "sensors"]
+    assert mount == {"name": "sensors", "mountPath": "/host-sys", "readOnly": True}
+    assert _sensors_root(out) == "/host-sys"
+    assert all(m["name"] != "sensors" for m in pod["initContainers"][0]["volumeMounts"])

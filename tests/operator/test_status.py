@@ -149,3 +149,68 @@ def test_thermal_fields_of_replicas_are_kept() -> None:
         },
         {"pod": "b", "node": "n2", "phase": "Running"},
     ]
+
+
+def _throttled(on: bool) -> dict[str, str]:
+    reason = "ThermalThrottling" if on else "FullBatch"
+    return {
+        "type": "Throttled",
+        "status": "True" if on else "False",
+        "reason": reason,
+        "message": "",
+    }
+
+
+PODS = [{"pod": "p-0", "node": "n1", "phase": "Running"}, {"pod": "p-1", "phase": "Running"}]
+
+
+def test_thermal_report_fills_rows_hottest_and_condition() -> None:
+    thermal = status.Thermal(
+        {"p-0": {"temperatureCelsius": 84, "maxBatchSize": 13}}, 84, _throttled(True)
+    )
+    st = status.compute_status(_obs(pods=PODS, thermal=thermal), {}, NOW)
+    assert st["replicaStatuses"] == [
+        {
+            "pod": "p-0",
+            "node": "n1",
+            "phase": "Running",
+            "temperatureCelsius": 84,
+            "maxBatchSize": 13,
+        },
+        {"pod": "p-1", "phase": "Running"},
+    ]
+    assert st["hottestCelsius"] == 84
+    assert _conds(st)["Throttled"] == ("True", "ThermalThrottling")
+    # Same inputs again: nothing changes, not even a timestamp (steady state writes nothing).
+    assert (
+        status.changed_fields(
+            status.compute_status(_obs(pods=PODS, thermal=thermal), st, LATER), st
+        )
+        == {}
+    )
+
+
+def test_no_thermal_tick_keeps_what_status_holds() -> None:
+    thermal = status.Thermal(
+        {"p-0": {"temperatureCelsius": 84, "maxBatchSize": 13}}, 84, _throttled(True)
+    )
+    before = status.compute_status(_obs(pods=PODS, thermal=thermal), {}, NOW)
+    after = status.compute_status(_obs(pods=PODS), before, LATER)  # e.g. just restarted
+    assert status.changed_fields(after, before) == {}
+
+
+def test_cooling_flips_throttled_with_a_new_transition_time() -> None:
+    hot = status.Thermal(
+        {"p-0": {"temperatureCelsius": 84, "maxBatchSize": 13}}, 84, _throttled(True)
+    )
+    cool = status.Thermal(
+        {"p-0": {"temperatureCelsius": 70, "maxBatchSize": 16}}, 70, _throttled(False)
+    )
+    before = status.compute_status(_obs(pods=PODS, thermal=hot), {}, NOW)
+    after = status.compute_status(_obs(pods=PODS, thermal=cool), before, LATER)
+    changed = status.changed_fields(after, before)
+    assert set(changed) == {"conditions", "replicaStatuses", "hottestCelsius"}
+    throttled = next(c for c in after["conditions"] if c["type"] == "Throttled")
+    assert (throttled["status"], throttled["lastTransitionTime"]) == ("False", LATER)
+    ready = next(c for c in after["conditions"] if c["type"] == "Ready")
+    assert ready["lastTransitionTime"] == NOW

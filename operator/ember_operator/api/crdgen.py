@@ -138,6 +138,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Engine", "type": "string", "jsonPath": ".spec.engine.kind"},
     {"name": "Accelerator", "type": "string", "jsonPath": ".spec.accelerator.kind"},
     {"name": "Status", "type": "string", "jsonPath": ".status.reason"},
+    {
+        "name": "Temp",
+        "type": "integer",
+        "jsonPath": ".status.hottestCelsius",
+        "description": "Hottest replica (°C), from the thermal loop.",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

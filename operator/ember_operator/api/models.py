@@ -408,7 +408,7 @@ class ConditionStatus(StrEnum):
 
 
 class Condition(Wire):
-    type: str = Field(description="Ready, Progressing or Degraded.")
+    type: str = Field(description="Ready, Progressing, Degraded or Throttled.")
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason for the last transition.")
     message: str = Field(default="", description="Human-readable detail.")
@@ -441,9 +441,12 @@ class InferenceDeploymentStatus(Wire):
     ready: str | None = Field(default=None, description="ready/desired, for kubectl get.")
     reason: str | None = Field(default=None, description="Short status reason, for kubectl get.")
     selector: str | None = Field(default=None, description="Label selector of the pods (scale).")
+    hottest_celsius: int | None = Field(
+        default=None, description="Hottest replica's temperature (°C, whole degrees)."
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Progressing, Degraded.",
+        description="Ready, Progressing, Degraded, Throttled.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     replica_statuses: list[ReplicaStatus] = Field(

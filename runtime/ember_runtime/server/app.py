@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from ember_runtime.config import RuntimeConfig
 from ember_runtime.engines.base import Engine, StepObserver
-from ember_runtime.sensors import TemperatureSource, ThermalZoneReader
+from ember_runtime.sensors import TemperatureSource, build_source
 from ember_runtime.server import admin, errors, routes
 from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.middleware import BodyLimit, RequestCounter
@@ -71,7 +71,8 @@ def create_app(
         request_timeout=config.server.request_timeout_seconds,
         api_key=read_api_key(config),
     )
-    source = sensor or ThermalZoneReader(config.sensors.sysfs_root)
+    # Smoothed (EWMA: fast attack, slow release) and NVML / npu-smi when configured.
+    source = sensor or build_source(config.sensors)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
