@@ -28,6 +28,10 @@ RUN --mount=type=secret,id=pip-ca \
     /opt/ember/bin/pip install '/src[runtime]'
 
 FROM ${BASE_IMAGE}
+# llama.cpp's CPU backend uses OpenMP at run time.
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libgomp1 \
+ && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/ember /opt/ember
 ENV PATH=/opt/ember/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 # A named non-root user: Kopf (getpass) and others look the uid up in /etc/passwd.

@@ -6,6 +6,7 @@ On failure the test output carries events, `describe` and pod logs (Flow.dump).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -45,17 +46,24 @@ def test_serves_a_streamed_chat_completion(flow: Flow, namespace: str) -> None:
 
 def test_helm_uninstall_leaves_nothing_behind(flow: Flow) -> None:
     flow.uninstall()
-    leftovers = flow.run_kubectl(
-        "get",
-        "all,serviceaccounts,configmaps,roles,rolebindings",
-        "-n",
-        SYSTEM_NS,
-        "-l",
-        f"app.kubernetes.io/instance={RELEASE}",
-        "-o",
-        "name",
-    )
-    assert not leftovers.strip(), leftovers
+
+    def leftovers() -> str:
+        return flow.run_kubectl(
+            "get",
+            "all,serviceaccounts,configmaps,roles,rolebindings",
+            "-n",
+            SYSTEM_NS,
+            "-l",
+            f"app.kubernetes.io/instance={RELEASE}",
+            "-o",
+            "name",
+        ).strip()
+
+    # Pods finish terminating (their SIGTERM handling) after `helm uninstall --wait` returns.
+    deadline = time.monotonic() + 60
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not leftovers(), leftovers()
     cluster_scoped = flow.run_kubectl(
         "get",
         "clusterroles,clusterrolebindings",
