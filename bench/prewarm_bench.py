@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -56,14 +55,6 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "eval_s": t3 - t2}))
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def timed(argv: list[str], preexec: Callable[[], None] | None = None) -> tuple[float, str]:
@@ -302,7 +293,9 @@ def generated(work: Path, mib: int) -> Model:
         with path.open("wb") as f:
             for _ in range(mib):
                 f.write(os.urandom(1 << 20))
-    return Model(path, sha256_of(path), path.stat().st_size)
+    from ember_runtime.models import sha256_file
+
+    return Model(path, sha256_file(path), path.stat().st_size)
 
 
 def main() -> None:
@@ -329,10 +322,10 @@ def main() -> None:
     )
     gemma = None
     if not args.no_gemma:
-        from ember_runtime.models import default_model_path
+        from ember_runtime.models import default_model_path, sha256_file
 
         path = default_model_path()
-        gemma = Model(path, sha256_of(path), path.stat().st_size)
+        gemma = Model(path, sha256_file(path), path.stat().st_size)
     if not args.skip_throughput:
         rows = {}
         if gemma is not None:

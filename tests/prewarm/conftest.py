@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from ember_runtime.config import ModelFile, RuntimeConfig
-from ember_runtime.models import default_model_path
+from ember_runtime.models import default_model_path, sha256_file
 
 CLI = [sys.executable, "-m", "ember_runtime.prewarm"]
 
@@ -63,7 +62,9 @@ def make_setup(tmp_path: Path, shm_dir: Path) -> MakeSetup:
             else:
                 dest.write_bytes(content)
         specs = [
-            ModelFile(path=rel, sha256=_sha(model_dir / rel), size_bytes=_size(model_dir / rel))
+            ModelFile(
+                path=rel, sha256=sha256_file(model_dir / rel), size_bytes=_size(model_dir / rel)
+            )
             for rel in files
         ]
         fields: dict[str, object] = {
@@ -84,14 +85,6 @@ def make_setup(tmp_path: Path, shm_dir: Path) -> MakeSetup:
 
 def _size(path: Path) -> int:
     return path.stat().st_size
-
-
-def _sha(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def run_cli(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
