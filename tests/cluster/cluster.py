@@ -31,6 +31,11 @@ class Cluster:
         self.state = state or state_dir()
         self.state.mkdir(parents=True, exist_ok=True)
         self.procs = ProcessTable(self.state)
+        self._components()
+
+    def _components(self) -> None:
+        # ControlPlane owns the credentials and ports under the state dir; made afresh after
+        # `down()` deletes them, so one Cluster object can go down and up again.
         self.cp = ControlPlane(self.state, bin_dir(), self.procs)
         self.node = Node(self.cp, self.procs)
 
@@ -68,6 +73,7 @@ class Cluster:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
+        self._components()
         log("cluster down")
 
     def status(self) -> dict[str, bool]:
