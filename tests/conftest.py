@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,7 +34,6 @@ class Kube:
     cluster: Cluster
     kubeconfig: Path
     api: client.ApiClient
-    _started: list[str] = field(default_factory=list)
 
     def kubectl(self, *args: str) -> str:
         """Run kubectl against the local cluster; raises with stderr on failure."""

@@ -27,6 +27,8 @@ from typing import Any, Protocol
 import httpx
 from ember_runtime.models import MODEL_SHA256, default_model_path
 
+from tests.cluster.procs import free_port, wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ember"
 RELEASE = "ember"
@@ -179,7 +181,7 @@ class Flow:
     # -- talking to it -------------------------------------------------------------------
     @contextlib.contextmanager
     def port_forward(self, service: str, namespace: str, port: int) -> Iterator[int]:
-        local = _free_port()
+        local = free_port()
         cmd = [
             self.kubectl,
             f"--kubeconfig={self.target.kubeconfig}",
@@ -191,7 +193,7 @@ class Flow:
         ]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            _wait(lambda: _port_open(local), 30, "kubectl port-forward")
+            wait_for("kubectl port-forward", lambda: _port_open(local), timeout=30)
             yield local
         finally:
             proc.terminate()
@@ -247,25 +249,10 @@ def _condition(obj: dict[str, Any], kind: str) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _port_open(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         return True
     return False
-
-
-def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def copy_model(src: Path, dest_dir: Path) -> None:
