@@ -8,6 +8,7 @@ renders from `spec.placement.tolerations`) land there and the real node's tests 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -89,10 +90,34 @@ def create_nodes(api: client.ApiClient, manifests: Iterable[dict[str, Any]]) -> 
         return list(pool.map(create, manifests))
 
 
+def wait_schedulable(api: client.ApiClient, names: Iterable[str], timeout: float = 120) -> None:
+    """Until kwok has marked every node Ready and the node controller lifted its not-ready taint.
+
+    A pod created before that is scheduled only among the nodes that are already ready, which
+    silently defeats tests that rely on scoring (a preferred node) or on spreading.
+    """
+    core, pending = client.CoreV1Api(api), set(names)
+    deadline = time.monotonic() + timeout
+    while pending:
+        pending = {name for name in pending if not _schedulable(core.read_node(name))}
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"kwok nodes unschedulable after {timeout:.0f}s: {sorted(pending)}")
+        if pending:
+            time.sleep(0.25)
+
+
+def _schedulable(node: Any) -> bool:
+    ready = any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
+    taints = {t.key for t in node.spec.taints or []}
+    return ready and not taints & {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
+
+
 def ensure_fleet(api: client.ApiClient, n: int, sites: int = 5) -> list[str]:
-    """Make (or reuse) n kwok nodes `kwok-<i>` spread over `site-<i % sites>`."""
+    """Make (or reuse) n kwok nodes `kwok-<i>` spread over `site-<i % sites>`, ready to schedule."""
     manifests = (node_manifest(f"kwok-{i}", f"site-{i % sites}") for i in range(n))
-    return create_nodes(api, manifests)
+    names = create_nodes(api, manifests)
+    wait_schedulable(api, names, timeout=300)
+    return names
 
 
 def delete_fleet(api: client.ApiClient) -> None:

@@ -22,7 +22,7 @@ from ember_operator.thermal.policy import NodeHeat, ThermalLimits
 from ember_operator.thermal.poller import Replica, ReplicaPoller
 from kubernetes import client
 
-from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest
+from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest, wait_schedulable
 from tests.conftest import Kube
 from tests.thermal.conftest import API_KEY, FakeThermalTree
 
@@ -45,6 +45,7 @@ def two_nodes(kube: Kube) -> Iterator[tuple[str, str]]:
         m["status"].pop("nodeInfo", None)
         manifests.append(m)
     create_nodes(kube.api, manifests)
+    wait_schedulable(kube.api, names)  # else the replica may land on B only because A isn't ready
     yield names
     for name in names:
         kube.core.delete_node(name)
