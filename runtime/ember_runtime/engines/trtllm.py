@@ -4,6 +4,13 @@ TensorRT-LLM batches in flight on the GPU itself, so this adapter only maps our 
 stream types onto its own, and enforces the admin batch limit with an admission gate. It is
 imported lazily: on a machine without TensorRT-LLM or a GPU, `start()` fails with a clear
 message instead of the import failing at module load.
+
+Checked against TensorRT-LLM's own sources (`tensorrt_llm/sampling_params.py`,
+`executor/result.py`, `llmapi/llm.py`): `generate_async(token_ids, sampling_params=...,
+streaming=True)` returns a `RequestOutput` that is its own async iterator; each step's
+`outputs[0]` carries `text_diff`, `token_ids_diff` and, once `finished`, a `finish_reason` in
+{stop, length, timeout, cancelled}. It raises at once (ValueError, RuntimeError) for a prompt that
+does not fit or an LLM that is shutting down; those become an ERROR delta, not a crashed stream.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,10 +34,18 @@ from ember_runtime.engines.base import (
     QueueFullError,
     SamplingParams,
 )
+from ember_runtime.engines.text import TextAssembler
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+# CompletionOutput.finish_reason -> ours. "timeout" is TensorRT-LLM's own per-request limit
+# (we never set one); the client did not cancel, but the request did not complete either.
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "cancelled": FinishReason.CANCELLED,
+    "timeout": FinishReason.ERROR,
+}
 
 
 def _gpu_count() -> int:
@@ -65,18 +81,44 @@ class _TrtStream:
             if self.cancelled:
                 yield Delta("", 0, FinishReason.CANCELLED)
                 return
-            self._handle = self._engine._generate(self._prompt, self._params)
-            async for output in self._handle:
-                out = output.outputs[0]
-                reason = _FINISH.get(str(out.finish_reason)) if output.finished else None
-                yield Delta(out.text_diff, len(out.token_ids_diff), reason)
-                if output.finished:
-                    return
+            text = TextAssembler(self._params.stop)
+            try:
+                self._handle = self._engine._generate(self._prompt, self._params)
+                async for output in self._handle:
+                    delta = _delta(output, text)
+                    if delta.finish_reason is not None and not output.finished:
+                        self._handle.abort()  # our stop string hit: free the GPU slot
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+            except (ValueError, RuntimeError) as exc:  # rejected request, executor failure
+                yield Delta("", 0, FinishReason.ERROR, f"TensorRT-LLM: {exc}")
+                return
+            # The iterator ended without a final output (the LLM was shut down under us).
+            yield Delta("", 0, FinishReason.CANCELLED, "TensorRT-LLM stopped the request")
 
     def cancel(self) -> None:
+        if self.cancelled:
+            return
         self.cancelled = True
-        if self._handle is not None:
+        if self._handle is not None and not self._handle.finished:
             self._handle.abort()
+
+
+def _delta(output: Any, text: TextAssembler) -> Delta:
+    """One streamed `RequestOutput` step as a Delta; stop strings are matched here, on text."""
+    out = output.outputs[0]
+    n_tokens = len(out.token_ids_diff)
+    piece, stopped = text.push(out.text_diff.encode())
+    if stopped:
+        return Delta(piece, n_tokens, FinishReason.STOP)
+    if not output.finished:
+        return Delta(piece, n_tokens)
+    reason = _FINISH.get(str(out.finish_reason), FinishReason.ERROR)
+    error = None
+    if reason is FinishReason.ERROR:
+        error = f"TensorRT-LLM finished the request with reason {out.finish_reason!r}"
+    return Delta(piece + text.flush(), n_tokens, reason, error)
 
 
 class TrtLlmEngine:
@@ -165,15 +207,30 @@ class TrtLlmEngine:
         )
 
     def _generate(self, prompt: list[int], params: SamplingParams) -> Any:
-        sampling = self._sampling_cls(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature if not params.greedy else None,
-            top_k=1 if params.greedy else None,
-            top_p=params.top_p,
-            seed=params.seed,
-            stop=list(params.stop) or None,
+        return self._llm.generate_async(
+            prompt, sampling_params=self._sampling(params), streaming=True
         )
-        return self._llm.generate_async(prompt, sampling_params=sampling, streaming=True)
+
+    def _sampling(self, params: SamplingParams) -> Any:
+        """Our parameters as `tensorrt_llm.SamplingParams` (None: the runtime's default)."""
+        # Stop strings are not passed on: TensorRT-LLM matches them as token ids after the
+        # tokens are streamed, so a stop string spanning tokens would already be partly out
+        # (and one tokenized differently in context never matches). _TrtStream matches text.
+        if params.greedy:
+            # TensorRT-LLM's greedy test (SamplingParams.params_imply_greedy_decoding) is all
+            # of temperature/top_p/top_k unset, or top_k == 1, top_p == 0 or temperature == 0;
+            # top_k=1 alone means greedy in every release (older ones also read top_p=1.0 as
+            # sampling, so it is left unset here).
+            return self._sampling_cls(max_tokens=params.max_tokens, top_k=1)
+        # Unset, the C++ runtime seeds every request with 0: identical prompts would all draw
+        # the same "random" text. OpenAI semantics are a fresh draw unless a seed is given.
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return self._sampling_cls(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,  # explicit 1.0: all unset would mean greedy
+            seed=seed,
+        )
 
     def _slot(self) -> _Slot:
         return _Slot(self)
