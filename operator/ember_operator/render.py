@@ -184,6 +184,19 @@ def _resources(spec: InferenceDeploymentSpec, sizing: Sizing) -> dict[str, dict[
     return out
 
 
+def _prewarm_resources(
+    spec: InferenceDeploymentSpec, sizing: Sizing, memory_bytes: int
+) -> dict[str, str]:
+    out = {"cpu": sizing.cpu, "memory": quantity.format_bytes(memory_bytes)}
+    # Preflight checks the accelerator the pod will use (GPU memory, NPU nodes and context env),
+    # so the init container asks for it too. The kubelet hands an init container's devices on to
+    # the app containers, so this never takes a second unit.
+    extended = EXTENDED_RESOURCE.get(spec.accelerator.kind)
+    if extended is not None:
+        out[extended] = str(spec.accelerator.count)
+    return out
+
+
 def _model_volume(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     source = spec.model.source
     if source.host_path is not None:
@@ -284,7 +297,7 @@ def render(
             t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations
         ],
         "resources": _resources(spec, sizing),
-        "prewarm_resources": {"cpu": sizing.cpu, "memory": quantity.format_bytes(prewarm_memory)},
+        "prewarm_resources": _prewarm_resources(spec, sizing, prewarm_memory),
         "env": _env_vars(settings),
         "volumes": volumes,
         "runtime_mounts": runtime_mounts,

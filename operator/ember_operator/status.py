@@ -233,6 +233,9 @@ def compute_status(obs: Observed, old: Mapping[str, Any], now: str) -> dict[str,
         hottest = old.get("hottestCelsius")
     if hottest is not None:
         out["hottestCelsius"] = hottest
+    batches = [r["maxBatchSize"] for r in out["replicaStatuses"] if "maxBatchSize" in r]
+    if batches:  # the tightest limit in force: what `kubectl get infd` shows as Batch
+        out["maxBatchSize"] = min(batches)
     return out
 
 

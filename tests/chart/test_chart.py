@@ -108,6 +108,12 @@ def test_device_plugin_daemonset_is_node_critical_and_scoped(helm: str) -> None:
         "/dev",
         "/var/lib/ember/deviceplugin",
     }
+    # Not over /dev: that would hide the kubelet's /dev/termination-log mount (runc refuses).
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["dev"]["mountPath"] == "/host/dev" and mounts["dev"]["readOnly"] is True
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert (env["EMBER_DP_DEV_ROOT"], env["EMBER_DP_HOST_DEV_ROOT"]) == ("/host/dev", "/dev")
 
 
 def test_optional_parts_follow_values(helm: str) -> None:

@@ -120,6 +120,21 @@ async def test_allocate_envs_and_device_specs(
     assert {d.container_path for d in multi.devices} >= {"/dev/davinci0", "/dev/davinci1"}
 
 
+async def test_device_specs_name_host_paths_when_dev_is_mounted_elsewhere(
+    start_plugin: PluginFactory, kubelet: KubeletHarness
+) -> None:
+    # The DaemonSet sees the host's /dev at /host/dev; the container runtime needs /dev/…
+    await start_plugin(host_dev_root=Path("/dev"))
+    async with kubelet.plugin(SOCKET) as stub:
+        resp = await allocate(stub, ["davinci0-ctx1"])
+    specs = {d.container_path: d.host_path for d in resp.container_responses[0].devices}
+    assert specs == {
+        "/dev/davinci0": "/dev/davinci0",
+        "/dev/davinci_manager": "/dev/davinci_manager",
+        "/dev/devmm_svm": "/dev/devmm_svm",
+    }
+
+
 async def test_node_ordinal_gives_fleet_unique_range(
     start_plugin: PluginFactory, kubelet: KubeletHarness
 ) -> None:

@@ -1,8 +1,10 @@
 """The whole chain on a real cluster, as steps shared by `make demo`, `make e2e`, `make e2e-kind`.
 
-    images → load into the node → helm install → model on the node → InferenceDeployment
-    → prewarm verifies + loads → runtime Ready → streamed chat completion through the Service
-    → helm uninstall leaves nothing behind
+    images → load into the node → node labelled as a site, fake NPU device nodes and a fake
+    thermal zone → helm install (operator + device plugin DaemonSet) → NPU capacity advertised
+    → model on the node → InferenceDeployment → prewarm verifies + loads → runtime Ready (with
+    its own ACL context) → streamed chat completion through the Service → heat the fake sensor
+    → batch lowered in `kubectl get infd` → cool → restored → helm uninstall leaves nothing
 
 Each step prints what it does and how long it took, so a first run (which builds images) never
 looks hung. The cluster-specific parts (how images get onto the node, where the API server is)
@@ -35,6 +37,17 @@ RELEASE = "ember"
 SYSTEM_NS = "ember-system"
 MODEL_DIR = Path("/var/lib/ember/models/gemma-3-270m")
 MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
+SITE = "edge-lab"
+# Fake Ascend nodes: character devices with /dev/null's numbers, so the container runtime can
+# hand them to a container like the real ones. Two NPUs × the chart's 4 contexts = 8 units.
+FAKE_NPUS = ("davinci0", "davinci1")
+NPU_CONTROL = ("davinci_manager", "devmm_svm", "hisi_hdc")
+NPU_UNITS = 8
+# A fake sysfs thermal tree on the node, mounted into runtime pods (operator.sensorsSysfsRoot).
+FAKE_SYS = Path("/var/lib/ember/e2e/sys")
+FAKE_ZONE = FAKE_SYS / "class" / "thermal" / "thermal_zone0"
+NODE_LABELS = {"ember.dev/site": SITE, "ember.dev/npu": "true"}
+HOT_CELSIUS, COOL_CELSIUS = 87.0, 40.0
 
 
 def step(msg: str) -> None:
@@ -63,6 +76,12 @@ class Target(Protocol):
     def helm_values(self) -> list[str]:
         """Extra `--set` values for this cluster (image registry, API server address…)."""
 
+    def node_name(self) -> str:
+        """The Kubernetes name of the node that serves the model."""
+
+    def node_run(self, argv: list[str]) -> None:
+        """Run a command (argv, no shell) on that node as root."""
+
 
 @dataclass
 class Flow:
@@ -89,7 +108,11 @@ class Flow:
         with timed("building Ember's images and loading them into the node"):
             sets = self.target.load_images()
         with timed(f"helm install {RELEASE} charts/ember (namespace {SYSTEM_NS})"):
-            values = [*self.target.helm_values(), *(f"{k}={v}" for k, v in sets.items())]
+            values = [
+                *self.target.helm_values(),
+                f"operator.sensorsSysfsRoot={FAKE_SYS}",
+                *(f"{k}={v}" for k, v in sets.items()),
+            ]
             args = [
                 "upgrade",
                 "--install",
@@ -105,20 +128,64 @@ class Flow:
             for value in values:
                 args += ["--set", value]
             self.run_helm(*args)
-        with timed("rolling the operator onto the freshly loaded image"):
-            # Same tag, new image: nothing in the pod template changed, so restart explicitly.
-            deploy = f"deploy/{RELEASE}-operator"
-            self.run_kubectl("-n", SYSTEM_NS, "rollout", "restart", deploy)
-            self.run_kubectl(
-                "-n", SYSTEM_NS, "rollout", "status", deploy, "--timeout=180s", timeout=200
-            )
+        with timed("rolling Ember's pods onto the freshly loaded images"):
+            # Same tag, new image: nothing in the pod templates changed, so restart explicitly.
+            for workload in (f"deploy/{RELEASE}-operator", f"ds/{RELEASE}-deviceplugin"):
+                self.run_kubectl("-n", SYSTEM_NS, "rollout", "restart", workload)
+                self.run_kubectl(
+                    "-n", SYSTEM_NS, "rollout", "status", workload, "--timeout=180s", timeout=200
+                )
 
     def uninstall(self) -> None:
         with timed(f"helm uninstall {RELEASE}"):
             self.run_helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait")
 
+    # -- the node: a site with (fake) NPUs and a (fake) thermal sensor ------------------------
+    def prepare_node(self) -> None:
+        node = self.target.node_name()
+        with timed(f"node {node}: site {SITE}, fake NPUs {', '.join(FAKE_NPUS)}, fake sensor"):
+            for name in (*FAKE_NPUS, *NPU_CONTROL):
+                path = f"/dev/{name}"
+                # Positional arguments, never interpolated into the script.
+                self.target.node_run(
+                    ["sh", "-c", '[ -e "$1" ] || mknod -m 0666 "$1" c 1 3', "sh", path]
+                )
+            self.target.node_run(["mkdir", "-p", str(FAKE_ZONE)])
+            self._write_node_file(FAKE_ZONE / "type", "soc-npu")
+            self.set_temperature(COOL_CELSIUS)
+            labels = [f"{k}={v}" for k, v in NODE_LABELS.items()]
+            self.run_kubectl("label", "node", node, *labels, "--overwrite")
+
+    def restore_node(self) -> None:
+        node = self.target.node_name()
+        with timed(f"node {node}: removing the fake NPUs, sensor and labels"):
+            self.run_kubectl("label", "node", node, *(f"{k}-" for k in NODE_LABELS), check=False)
+            paths = [f"/dev/{name}" for name in (*FAKE_NPUS, *NPU_CONTROL)]
+            self.target.node_run(["rm", "-f", *paths])
+            self.target.node_run(["rm", "-rf", str(FAKE_SYS)])
+
+    def set_temperature(self, celsius: float) -> None:
+        self._write_node_file(FAKE_ZONE / "temp", str(round(celsius * 1000)))
+
+    def _write_node_file(self, path: Path, text: str) -> None:
+        # Write then rename, as a sysfs read never sees half a value.
+        script = 'printf "%s\\n" "$1" > "$2.tmp" && mv "$2.tmp" "$2"'
+        self.target.node_run(["sh", "-c", script, "sh", text, str(path)])
+
+    def wait_npu_capacity(self, units: int = NPU_UNITS, timeout: float = 120) -> None:
+        node = self.target.node_name()
+        with timed(f"waiting for the device plugin to advertise {units} ember.dev/npu on {node}"):
+
+            def advertised() -> bool:
+                obj = json.loads(self.run_kubectl("get", "node", node, "-o", "json"))
+                return str(obj["status"].get("allocatable", {}).get("ember.dev/npu")) == str(units)
+
+            wait_for("ember.dev/npu capacity", advertised, timeout=timeout)
+
     # -- the model -----------------------------------------------------------------------
-    def model_manifest(self, name: str, namespace: str, replicas: int = 1) -> dict[str, Any]:
+    def model_manifest(
+        self, name: str, namespace: str, replicas: int = 1, npu: bool = False
+    ) -> dict[str, Any]:
         src = default_model_path()
         with timed(f"placing the model on the node under {MODEL_DIR}"):
             self.target.place_model(src, MODEL_DIR)
@@ -146,7 +213,10 @@ class Flow:
                     "maxBatchSize": 8,
                     "minBatchSize": 2,
                 },
-                "accelerator": {"kind": "cpu"},
+                # llama.cpp computes on the CPU either way; with `npu` the replica also holds one
+                # NPU context from the device plugin, on the site's NPU node.
+                "accelerator": {"kind": "npu", "count": 1} if npu else {"kind": "cpu"},
+                "placement": {"sites": [SITE]} if npu else {},
                 "prewarm": {"enabled": True, "sharedMemoryLimit": "512Mi"},
             },
         }
@@ -177,6 +247,51 @@ class Flow:
                     return
                 time.sleep(2)
             raise TimeoutError(f"{name} not Ready after {timeout:.0f}s\n{self.dump(namespace)}")
+
+    def pods(self, name: str, namespace: str) -> list[str]:
+        obj = json.loads(self.run_kubectl("get", "infd", name, "-n", namespace, "-o", "json"))
+        selector = obj["status"]["selector"]
+        out = self.run_kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "name")
+        return [line.removeprefix("pod/") for line in out.split()]
+
+    def container_env(self, pod: str, namespace: str, *names: str) -> dict[str, str]:
+        out = self.run_kubectl("exec", "-n", namespace, pod, "-c", "runtime", "--", "env")
+        env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        return {k: env[k] for k in names if k in env}
+
+    def get_columns(self, name: str, namespace: str) -> dict[str, str]:
+        """`kubectl get infd NAME` as {COLUMN: value}."""
+        header, row = self.run_kubectl("get", "infd", name, "-n", namespace).splitlines()[:2]
+        return dict(zip(header.split(), row.split(), strict=False))
+
+    def wait_columns(
+        self, name: str, namespace: str, want: Callable[[dict[str, str]], bool], what: str
+    ) -> dict[str, str]:
+        with timed(f"waiting until `kubectl get infd {name}` shows {what}"):
+            deadline, last = time.monotonic() + 90, dict[str, str]()
+            while time.monotonic() < deadline:
+                cols = self.get_columns(name, namespace)
+                if cols != last:
+                    print(f"    {cols}", file=sys.stderr, flush=True)
+                    last = cols
+                if want(cols):
+                    return cols
+                time.sleep(1)
+            raise TimeoutError(f"`kubectl get infd {name}` never showed {what}: {last}")
+
+    def heat_and_cool(self, name: str, namespace: str) -> tuple[dict[str, str], dict[str, str]]:
+        """Heat the fake sensor, see the batch shrink in `kubectl get infd`, cool, see it back.
+
+        The manifest's batch is 8, throttling starts at 78 °C, one step per 2 °C: 87 °C → 4
+        (below the 90 °C critical mark, so the replica stays where it is).
+        """
+        step(f"heating the fake sensor on {self.target.node_name()} to {HOT_CELSIUS} °C")
+        self.set_temperature(HOT_CELSIUS)
+        hot = self.wait_columns(name, namespace, lambda c: c.get("BATCH") == "4", "BATCH 4")
+        step(f"cooling it to {COOL_CELSIUS} °C")
+        self.set_temperature(COOL_CELSIUS)
+        cool = self.wait_columns(name, namespace, lambda c: c.get("BATCH") == "8", "BATCH 8")
+        return hot, cool
 
     # -- talking to it -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -220,6 +335,15 @@ class Flow:
         return "".join(text)
 
     # -- diagnostics ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def dumping(self, namespace: str) -> Iterator[None]:
+        """On any failure inside, print events, `describe` and logs first."""
+        try:
+            yield
+        except BaseException:
+            print(self.dump(namespace), flush=True)
+            raise
+
     def dump(self, namespace: str) -> str:
         """Events, describe and logs: what a failing run prints."""
         parts = []
@@ -237,6 +361,8 @@ class Flow:
                 "--tail=40",
             ),
             ("logs", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=operator", "--tail=60"),
+            ("logs", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=deviceplugin"),
+            ("describe", "node"),
         ):
             parts.append(f"--- kubectl {' '.join(args)}\n" + self.run_kubectl(*args, check=False))
         return "\n".join(parts)

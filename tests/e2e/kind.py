@@ -58,6 +58,12 @@ class KindTarget:
     def helm_values(self) -> list[str]:
         return []
 
+    def node_name(self) -> str:
+        return NODE
+
+    def node_run(self, argv: list[str]) -> None:
+        _run("docker", "exec", NODE, *argv)
+
 
 def main() -> int:
     for tool in ("docker", "kind", "helm", "kubectl"):
@@ -69,12 +75,15 @@ def main() -> int:
         target.create()
     flow = Flow(target, helm="helm", kubectl="kubectl")
     try:
+        flow.prepare_node()
         flow.install()
-        flow.apply(flow.model_manifest("gemma", "default"))
+        flow.wait_npu_capacity()
+        flow.apply(flow.model_manifest("gemma", "default", npu=True))
         flow.wait_ready("gemma", "default")
         with flow.port_forward("gemma", "default", 8080) as port:
             text = flow.chat(port, "Name one primary colour.", lambda t: None)
         assert text.strip(), "empty completion"
+        flow.heat_and_cool("gemma", "default")
         flow.uninstall()
         step("e2e-kind passed")
         return 0

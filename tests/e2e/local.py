@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from tests.cluster.cluster import Cluster
-from tests.cluster.control_plane import HOST_IP
+from tests.cluster.control_plane import HOST_IP, NODE_NAME
 from tests.cluster.ember_images import IMAGES, REGISTRY, TAG, build_image
 from tests.cluster.paths import bin_dir
 from tests.e2e.flow import Flow, copy_model
@@ -30,6 +31,12 @@ class LocalTarget:
             f"operator.apiServerOverride.host={HOST_IP}",
             f"operator.apiServerOverride.port={self.cluster.cp.eps.apiserver}",
         ]
+
+    def node_name(self) -> str:
+        return NODE_NAME
+
+    def node_run(self, argv: list[str]) -> None:
+        subprocess.run(argv, check=True)  # the node is this machine
 
 
 def local_flow(cluster: Cluster) -> Flow:

@@ -1,47 +1,82 @@
-"""End to end on the real local cluster: Helm → operator → prewarm → runtime → streamed chat.
+"""End to end on the real local cluster: Helm → operator + device plugin → prewarm → runtime →
+streamed chat → thermal loop → uninstall. The steps are tests/e2e/flow.py's, shared with
+`make demo` and `make e2e-kind`.
 
-On failure the test output carries events, `describe` and pod logs (Flow.dump).
+On failure the test output carries events, `describe` and pod logs (Flow.dumping).
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from tests.conftest import Kube, NodeHandle
-from tests.e2e.flow import RELEASE, SYSTEM_NS, Flow
+from tests.e2e.flow import FAKE_NPUS, HOT_CELSIUS, RELEASE, SYSTEM_NS, Flow
 from tests.e2e.local import local_flow
 
-pytestmark = pytest.mark.node
+# The first test's setup builds Ember's images: the runtime's first build compiles llama.cpp.
+pytestmark = [pytest.mark.node, pytest.mark.timeout(3600)]
 NAME = "gemma-e2e"
 
 
 @pytest.fixture(scope="module")
 def flow(node: NodeHandle, kube: Kube) -> Iterator[Flow]:
     flow = local_flow(kube.cluster)
-    flow.install()
-    yield flow
-
-
-def test_serves_a_streamed_chat_completion(flow: Flow, namespace: str) -> None:
-    flow.apply(flow.model_manifest(NAME, namespace))
+    flow.prepare_node()
     try:
-        flow.wait_ready(NAME, namespace)
-        tokens: list[str] = []
-        with flow.port_forward(NAME, namespace, 8080) as port:
-            text = flow.chat(port, "Name one primary colour.", tokens.append)
-    except Exception:
-        print(flow.dump(namespace))
-        raise
+        with flow.dumping(SYSTEM_NS):
+            flow.install()
+        yield flow
+    finally:
+        flow.restore_node()
+
+
+@pytest.fixture(scope="module")
+def served(flow: Flow) -> Iterator[str]:
+    """The sample InferenceDeployment (one NPU context per replica), Ready; yields its namespace."""
+    namespace = f"e2e-{uuid.uuid4().hex[:6]}"
+    flow.run_kubectl("create", "namespace", namespace)
+    try:
+        with flow.dumping(namespace):
+            flow.wait_npu_capacity()
+            flow.apply(flow.model_manifest(NAME, namespace, npu=True))
+            flow.wait_ready(NAME, namespace)
+        yield namespace
+    finally:
+        flow.run_kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_replica_holds_its_own_acl_context(flow: Flow, served: str) -> None:
+    (pod,) = flow.pods(NAME, served)
+    with flow.dumping(served):
+        env = flow.container_env(pod, served, "ACL_CONTEXT_ID", "ASCEND_DEVICE_ID")
+    assert set(env) == {"ACL_CONTEXT_ID", "ASCEND_DEVICE_ID"}, env
+    assert int(env["ACL_CONTEXT_ID"]) >= 0
+    assert f"davinci{env['ASCEND_DEVICE_ID']}" in FAKE_NPUS
+
+
+def test_serves_a_streamed_chat_completion(flow: Flow, served: str) -> None:
+    tokens: list[str] = []
+    with flow.dumping(served), flow.port_forward(NAME, served, 8080) as port:
+        text = flow.chat(port, "Name one primary colour.", tokens.append)
     assert len([t for t in tokens if t]) > 3, tokens  # streamed: many chunks, not one
     assert text.strip()
-    row = flow.run_kubectl("get", "infd", NAME, "-n", namespace, "--no-headers")
-    assert row.split()[1] == "1/1", row  # the READY printer column
-    obj = json.loads(flow.run_kubectl("get", "infd", NAME, "-n", namespace, "-o", "json"))
+    columns = flow.get_columns(NAME, served)
+    assert columns["READY"] == "1/1", columns
+    obj = json.loads(flow.run_kubectl("get", "infd", NAME, "-n", served, "-o", "json"))
     assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+
+
+def test_heat_lowers_the_batch_in_kubectl_get(flow: Flow, served: str) -> None:
+    with flow.dumping(served):
+        hot, cool = flow.heat_and_cool(NAME, served)
+    # TEMP is the runtime's smoothed reading: at 86-87 °C the batch is 8 - floor((T-78)/2) = 4.
+    assert hot["BATCH"] == "4" and 86 <= int(hot["TEMP"]) <= HOT_CELSIUS, hot
+    assert cool["BATCH"] == "8", cool
 
 
 def test_helm_uninstall_leaves_nothing_behind(flow: Flow) -> None:

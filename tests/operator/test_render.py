@@ -108,12 +108,19 @@ def test_sources_become_the_model_volume() -> None:
 
 
 def test_accelerators_request_their_extended_resource() -> None:
-    npu = _pod(_render(accelerator={"kind": "npu", "count": 2}))["containers"][0]["resources"]
+    npu_pod = _pod(_render(accelerator={"kind": "npu", "count": 2}))
+    npu = npu_pod["containers"][0]["resources"]
     assert npu["limits"]["ember.dev/npu"] == "2" and npu["requests"]["ember.dev/npu"] == "2"
+    # Preflight inspects the same devices (the kubelet passes them on to the app container).
+    init = npu_pod["initContainers"][0]["resources"]
+    assert init["limits"]["ember.dev/npu"] == "2" and init["requests"]["ember.dev/npu"] == "2"
     gpu = _pod(_render(accelerator={"kind": "nvidia-gpu", "count": 1}))
     assert gpu["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    cpu = _pod(_render())["containers"][0]["resources"]
+    assert gpu["initContainers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    cpu_pod = _pod(_render())
+    cpu = cpu_pod["containers"][0]["resources"]
     assert set(cpu["limits"]) == {"cpu", "memory"}
+    assert set(cpu_pod["initContainers"][0]["resources"]["limits"]) == {"cpu", "memory"}
     assert cpu["limits"] == cpu["requests"]  # Guaranteed QoS
 
 

@@ -180,6 +180,7 @@ def test_thermal_report_fills_rows_hottest_and_condition() -> None:
         {"pod": "p-1", "phase": "Running"},
     ]
     assert st["hottestCelsius"] == 84
+    assert st["maxBatchSize"] == 13  # the tightest limit across replicas (p-1 has none yet)
     assert _conds(st)["Throttled"] == ("True", "ThermalThrottling")
     # Same inputs again: nothing changes, not even a timestamp (steady state writes nothing).
     assert (
@@ -209,7 +210,8 @@ def test_cooling_flips_throttled_with_a_new_transition_time() -> None:
     before = status.compute_status(_obs(pods=PODS, thermal=hot), {}, NOW)
     after = status.compute_status(_obs(pods=PODS, thermal=cool), before, LATER)
     changed = status.changed_fields(after, before)
-    assert set(changed) == {"conditions", "replicaStatuses", "hottestCelsius"}
+    assert set(changed) == {"conditions", "replicaStatuses", "hottestCelsius", "maxBatchSize"}
+    assert changed["maxBatchSize"] == 16
     throttled = next(c for c in after["conditions"] if c["type"] == "Throttled")
     assert (throttled["status"], throttled["lastTransitionTime"]) == ("False", LATER)
     ready = next(c for c in after["conditions"] if c["type"] == "Ready")

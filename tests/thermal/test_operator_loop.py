@@ -128,6 +128,7 @@ def test_heat_throttles_replica_and_status_then_cooling_restores(
         assert hot["hottestCelsius"] == 84
         header, row = kube.kubectl("-n", namespace, "get", "infd", NAME).splitlines()[:2]
         assert row.split()[header.split().index("TEMP")] == "84"
+        assert row.split()[header.split().index("BATCH")] == "13"
 
         tree.set(NPU_ZONE, COOL)  # below throttle − hysteresis (75 °C): full batch again
         wait_for("runtime batch 16", lambda: _admin_batch(proc) == 16, timeout=10)

@@ -144,6 +144,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "jsonPath": ".status.hottestCelsius",
         "description": "Hottest replica (°C), from the thermal loop.",
     },
+    {
+        "name": "Batch",
+        "type": "integer",
+        "jsonPath": ".status.maxBatchSize",
+        "description": "Batch size the thermal loop allows now (the smallest across replicas).",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -444,6 +444,10 @@ class InferenceDeploymentStatus(Wire):
     hottest_celsius: int | None = Field(
         default=None, description="Hottest replica's temperature (°C, whole degrees)."
     )
+    max_batch_size: int | None = Field(
+        default=None,
+        description="Smallest batch size currently allowed across replicas (thermal control).",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         description="Ready, Progressing, Degraded, Throttled.",

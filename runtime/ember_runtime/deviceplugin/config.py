@@ -44,6 +44,12 @@ class PluginSettings(BaseSettings):
         default_factory=lambda: ["davinci_manager", "devmm_svm", "hisi_hdc"],
         description="Shared control nodes under devRoot, handed to every allocation if present.",
     )
+    host_dev_root: Path | None = Field(
+        default=None,
+        description="devRoot as the container runtime sees it on the host, for DeviceSpec host "
+        "paths (the DaemonSet mounts the host's /dev at /host/dev: a /dev mount would hide the "
+        "kubelet's /dev/termination-log). Unset: devRoot.",
+    )
     container_dev_dir: str = Field(default="/dev", description="Where nodes appear in containers.")
     rescan_interval_seconds: PositiveSeconds = Field(
         default=0.5, description="Fallback rescan period; inotify usually reports first."
@@ -90,6 +96,12 @@ class PluginSettings(BaseSettings):
         if self.socket_name == "kubelet.sock":
             raise ValueError("socketName must not be kubelet.sock (that is the kubelet's socket)")
         return self
+
+    def host_path(self, node: Path) -> Path:
+        """Where the container runtime finds a device node this plugin discovered."""
+        if self.host_dev_root is None:
+            return node
+        return self.host_dev_root / node.relative_to(self.dev_root)
 
     @property
     def plugin_socket(self) -> Path:

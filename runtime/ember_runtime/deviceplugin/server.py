@@ -160,9 +160,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         )
         cdir = self._settings.container_dev_dir.rstrip("/")
         for path in [*(d.path for d in npus), *self._source.control_nodes()]:
-            resp.devices.add(
-                container_path=f"{cdir}/{path.name}", host_path=str(path), permissions="rw"
-            )
+            host = str(self._settings.host_path(path))
+            resp.devices.add(container_path=f"{cdir}/{path.name}", host_path=host, permissions="rw")
         return resp
 
     async def PreStartContainer(
