@@ -72,7 +72,7 @@ test-unit: install ## tests that need no cluster
 demo: cluster-up ## the main job: local cluster + Ember + a small model answering a request
 	$(PY) -m tests.demo
 
-e2e: install cluster-up ## Helm → operator → prewarm → runtime → streamed chat, on the local cluster
+e2e: install cluster-up ## Helm → operator + device plugin → prewarm → runtime → chat → thermal, on the local cluster
 	EMBER_KEEP_CLUSTER=1 $(VENV)/bin/pytest -p no:cacheprovider -ra tests/e2e
 
 e2e-kind: install ## the same flow on a kind cluster (needs Docker + kind; not runnable on CI here)

@@ -15,7 +15,7 @@ RUN --mount=type=secret,id=pip-ca \
     if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
     /opt/ember/bin/pip install grpcio-tools==1.85.* mypy-protobuf==5.1.* \
  && cd /src && PYTHONPATH=runtime /opt/ember/bin/python -m ember_runtime.deviceplugin.api.generate \
- && /opt/ember/bin/pip install /src \
+ && /opt/ember/bin/pip install '/src[deviceplugin]' \
  && /opt/ember/bin/pip uninstall -y grpcio-tools mypy-protobuf
 
 FROM ${BASE_IMAGE}
