@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -79,8 +79,8 @@ class Target(Protocol):
     def node_name(self) -> str:
         """The Kubernetes name of the node that serves the model."""
 
-    def node_run(self, argv: list[str]) -> None:
-        """Run a command (argv, no shell) on that node as root."""
+    def node_run(self, argv: list[str]) -> int:
+        """Run a command (argv, no shell) on that node as root; its exit status."""
 
 
 @dataclass
@@ -88,6 +88,7 @@ class Flow:
     target: Target
     helm: str
     kubectl: str
+    created_devices: list[str] = field(default_factory=list)  # fake /dev nodes we made
 
     def run_kubectl(self, *args: str, check: bool = True, timeout: float = 120) -> str:
         cmd = [self.kubectl, f"--kubeconfig={self.target.kubeconfig}", *args]
@@ -146,11 +147,15 @@ class Flow:
         with timed(f"node {node}: site {SITE}, fake NPUs {', '.join(FAKE_NPUS)}, fake sensor"):
             for name in (*FAKE_NPUS, *NPU_CONTROL):
                 path = f"/dev/{name}"
+                # Never replace (nor later remove) a node that was there: it may be a real NPU.
                 # Positional arguments, never interpolated into the script.
-                self.target.node_run(
-                    ["sh", "-c", '[ -e "$1" ] || mknod -m 0666 "$1" c 1 3', "sh", path]
-                )
-            self.target.node_run(["mkdir", "-p", str(FAKE_ZONE)])
+                script = '[ -e "$1" ] && exit 3; mknod -m 0666 "$1" c 1 3'
+                code = self.target.node_run(["sh", "-c", script, "sh", path])
+                if code not in (0, 3):
+                    raise RuntimeError(f"mknod {path} on the node failed (exit {code})")
+                if code == 0:
+                    self.created_devices.append(path)
+            self._node(["mkdir", "-p", str(FAKE_ZONE)])
             self._write_node_file(FAKE_ZONE / "type", "soc-npu")
             self.set_temperature(COOL_CELSIUS)
             labels = [f"{k}={v}" for k, v in NODE_LABELS.items()]
@@ -160,9 +165,10 @@ class Flow:
         node = self.target.node_name()
         with timed(f"node {node}: removing the fake NPUs, sensor and labels"):
             self.run_kubectl("label", "node", node, *(f"{k}-" for k in NODE_LABELS), check=False)
-            paths = [f"/dev/{name}" for name in (*FAKE_NPUS, *NPU_CONTROL)]
-            self.target.node_run(["rm", "-f", *paths])
-            self.target.node_run(["rm", "-rf", str(FAKE_SYS)])
+            if self.created_devices:
+                self._node(["rm", "-f", *self.created_devices])
+                self.created_devices.clear()
+            self._node(["rm", "-rf", str(FAKE_SYS)])
 
     def set_temperature(self, celsius: float) -> None:
         self._write_node_file(FAKE_ZONE / "temp", str(round(celsius * 1000)))
@@ -170,7 +176,12 @@ class Flow:
     def _write_node_file(self, path: Path, text: str) -> None:
         # Write then rename, as a sysfs read never sees half a value.
         script = 'printf "%s\\n" "$1" > "$2.tmp" && mv "$2.tmp" "$2"'
-        self.target.node_run(["sh", "-c", script, "sh", text, str(path)])
+        self._node(["sh", "-c", script, "sh", text, str(path)])
+
+    def _node(self, argv: list[str]) -> None:
+        code = self.target.node_run(argv)
+        if code != 0:
+            raise RuntimeError(f"{argv[0]} on the node failed (exit {code}): {argv}")
 
     def wait_npu_capacity(self, units: int = NPU_UNITS, timeout: float = 120) -> None:
         node = self.target.node_name()

@@ -61,8 +61,8 @@ class KindTarget:
     def node_name(self) -> str:
         return NODE
 
-    def node_run(self, argv: list[str]) -> None:
-        _run("docker", "exec", NODE, *argv)
+    def node_run(self, argv: list[str]) -> int:
+        return subprocess.run(["docker", "exec", NODE, *argv], check=False).returncode
 
 
 def main() -> int:
