@@ -50,6 +50,20 @@ THERMAL_SECONDS = 1.0
 API_KEY_TTL_SECONDS = 300.0
 
 
+class QuietTimerSuccess(logging.Filter):
+    """Drops Kopf's "Timer '…' succeeded." lines: the thermal timer would log one per object
+    per second. Failures, retries and everything our handlers log still pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO:
+            return True
+        message = record.getMessage()
+        return not (message.startswith("Timer '") and message.endswith("' succeeded."))
+
+
+logging.getLogger("kopf.objects").addFilter(QuietTimerSuccess())
+
+
 @dataclass
 class Context:
     api: ApiClient
