@@ -1,11 +1,32 @@
 """Continuous batching over llama.cpp's low-level API (llama-cpp-python's ctypes bindings).
 
 One context holds `capacity` sequences, each with its own `seq_id` and its own KV stream
-(`kv_unified=False`: attention per sequence, so a sequence's numbers do not depend on its
-neighbours). A single thread runs the decode loop: every step packs one token per generating
-sequence plus chunks of newly admitted prompts into one `llama_batch`, calls `llama_decode` once,
+(`kv_unified=False`: attention per sequence). A single thread runs the decode loop: every step
+decodes one token per generating sequence and feeds prompt chunks of newly admitted requests,
 samples each sequence and hands the deltas to the event loop in one `call_soon_threadsafe`.
 ctypes releases the GIL during `llama_decode`, so the event loop keeps serving while it runs.
+
+Batch-independent greedy output versus speed (measured on this project's 2-core x86 box with
+Gemma 3 270M Q4_K_M; `bench/results/runtime_bench.md` has the numbers):
+
+* llama.cpp splits a batch into ubatches of consecutive seq_ids, each a full pass over the
+  weights. Running sequences are therefore kept on seq_ids 0..n-1 (`_compact`) and sorted, so
+  a step is as few passes as possible. This changes no numbers.
+* A ubatch of 8 or more rows runs different CPU kernels than a single row: the logits of the
+  same sequence differ (up to ~1.0), so greedy text depends on how many neighbours it had.
+  2..7 rows are bit-identical to 1. And attention over a prompt chunk of 64 or more tokens
+  uses a tiled kernel, so a prompt split differently (e.g. 1 + 63 tokens) also changes.
+* Exact batching (the default, `engine.args.exactBatching`) keeps a request's greedy output
+  identical alone or batched: decode rows go in `llama_decode` calls of at most 7 sequences
+  and each prompt chunk gets its own call, exactly as it would alone. The price is an extra
+  pass over the weights per step from the 8th running sequence on, and one prompt per step.
+* Fast batching (`exactBatching: "false"`) does what llama-server does: one call per step over
+  every decode row and every waiting prompt. Combine with `prefixCache` (reuse a finished
+  prompt's KV cells; the reused prompt's last token is then decoded alone, a different kernel
+  shape) and `repack` (llama.cpp's AVX2 weight layout, also shape-dependent) for throughput.
+  Output is then still deterministic for a given arrival pattern, just not batch-independent.
+* Not covered: a single sequence past 256 tokens of context alone may take llama.cpp's
+  split-KV attention path, which a batched one does not (not measured).
 """
 
 from __future__ import annotations
@@ -43,6 +64,11 @@ log = logging.getLogger(__name__)
 
 # llama.cpp logs every tensor at load time; keep warnings and errors only. The callback must
 # outlive the library, hence a module-level reference.
+# Exact batching: at most this many sequences per `llama_decode`. On x86 CPUs, llama.cpp
+# computes a ubatch of 8 or more rows with different kernels than a single row (measured
+# here: logits differ by up to ~1.0 from 8 rows on, bit-identical for 2..7), so 7 keeps a
+# request's greedy output independent of its neighbours.
+_EXACT_ROWS = 7
 _GGML_LEVELS = {3: logging.WARNING, 4: logging.ERROR}  # ggml: 1 debug, 2 info, 3 warn, 4 error
 _log_callback: Any = None
 
@@ -135,6 +161,7 @@ class LlamaCppEngine:
         batch_tokens: int = 512,
         prefix_cache: bool = False,
         repack: bool = False,
+        exact: bool = True,
         observer: StepObserver | None = None,
     ) -> None:
         if not 1 <= capacity <= 256:
@@ -156,8 +183,10 @@ class LlamaCppEngine:
         self._running: list[_Sequence] = []
         self._free_ids = list(range(capacity))  # least recently used first
         self._slot_cache: list[list[int]] = [[] for _ in range(capacity)]
+        self._freed_at = [0] * capacity  # the step each seq_id was last released at
         self._prefix_cache = prefix_cache
         self._repack = repack
+        self._exact = exact
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,6 +252,15 @@ class LlamaCppEngine:
         template = ll.llama_model_chat_template(self._model, None)
         self._chat_template = template.decode() if template else None
         self._builtin_template = None if template else self._builtin_template_name()
+        if not template:
+            # Usually a pretrained (base) checkpoint: e.g. the packaged google/gemma-3-270m,
+            # which echoes a chat prompt instead of answering it (llama-server does the same).
+            log.warning(
+                "%s has no tokenizer.chat_template (often a base, not instruction-tuned, "
+                "model: chat replies will be poor); chat uses llama.cpp's built-in %r template",
+                self._path.name,
+                self._builtin_template,
+            )
         self._warm_up()
         log.info(
             "llama.cpp engine ready: %s, capacity %d, %d tokens/sequence, %d thread(s)",
@@ -377,6 +415,7 @@ class LlamaCppEngine:
                 while self._pending and len(self._running) < self._max_batch:
                     self._admit(self._pending.popleft())
                 if self._running:
+                    self._compact()
                     return True
                 self._cond.wait()
 
@@ -406,7 +445,8 @@ class LlamaCppEngine:
         best, best_len = 0, -1
         for i, sid in enumerate(self._free_ids):
             common = _common_prefix(self._slot_cache[sid], prompt)
-            if common > best_len:  # ties keep the least recently used (earliest) slot
+            # Ties go to the lowest seq_id: the running set then stays on 0..n-1 (see _compact).
+            if common > best_len or (common == best_len and sid < self._free_ids[best]):
                 best, best_len = i, common
         sid = self._free_ids.pop(best)
         keep = min(best_len, len(prompt) - 1)
@@ -415,6 +455,38 @@ class LlamaCppEngine:
             keep = 0
         self._slot_cache[sid] = []
         return sid, keep
+
+    def _compact(self) -> None:
+        """Keep the running sequences on seq_ids 0..n-1.
+
+        With one KV stream per sequence, llama.cpp cuts a batch into ubatches of *consecutive*
+        seq_ids (`split_equal(sequential=true)`), and every ubatch is a full pass over the
+        weights: running seq_ids {0, 2, 5} would cost three passes per step instead of one.
+        A sequence above n moves into a hole below n: llama.cpp copies the whole stream buffer
+        (cells keep their indices and positions, so the numbers do not change) at the start
+        of the next decode, a few MB once per finished request.
+        """
+        n = len(self._running)
+        # With the prefix cache, a just-freed seq_id holds a prompt that its client's next
+        # request is likely to repeat within a step or two: let it be reused before filling it.
+        settled = self._steps - (2 if self._prefix_cache else 0)
+        holes = sorted(
+            (sid for sid in self._free_ids if sid < n and self._freed_at[sid] <= settled),
+            reverse=True,
+        )
+        for seq in self._running:
+            if seq.seq_id >= n and holes:
+                self._move(seq, holes.pop())
+
+    def _move(self, seq: _Sequence, dst: int) -> None:
+        ll, mem, src = self._ll, self._mem, seq.seq_id
+        ll.llama_memory_seq_cp(mem, src, dst, -1, -1)  # cross-stream: a deferred buffer copy
+        ll.llama_memory_seq_rm(mem, src, -1, -1)
+        self._free_ids.remove(dst)
+        self._free_ids.append(src)
+        self._slot_cache[dst] = []  # its cached prefix (if any) was just overwritten
+        self._slot_cache[src] = []
+        seq.seq_id = dst
 
     def _make_sampler(self, params: SamplingParams) -> Any:
         ll = self._ll
@@ -427,45 +499,92 @@ class LlamaCppEngine:
         return chain
 
     def _step(self) -> None:
-        """One `llama_decode` over every active sequence, then one sample per sequence."""
+        """One scheduling step: decode one token for every generating sequence and feed
+        prompt chunks, then sample each sequence whose logits came out.
+
+        Exact (default): decode rows go in `llama_decode` calls of at most `_EXACT_ROWS`
+        sequences, and a prompt chunk gets a call of its own, so every row is computed by
+        the same kernels as when its request runs alone (see the module docstring). Fast:
+        one call over everything, as llama-server does.
+        """
         active = self._running[: self._max_batch]  # a lowered limit pauses the newest ones
-        entries: list[tuple[int, int, int, bool]] = []
-        outputs: list[tuple[_Sequence, int]] = []
-        for seq in active:
-            if seq.prefilled == len(seq.prompt):
-                outputs.append((seq, len(entries)))
-                pos = seq.prefilled + seq.generated - 1  # the last sampled token's position
-                entries.append((seq.last_token, pos, seq.seq_id, True))
-        budget = self._batch_tokens - len(entries)
-        prompt_tokens = 0
-        for seq in active:
-            todo = len(seq.prompt) - seq.prefilled
-            if todo == 0:
-                continue
-            # One prompt per step: llama.cpp splits a batch holding several prompts into
-            # differently shaped ubatches, and the rounding then differs from a lone prefill;
-            # one prompt beside single decode tokens keeps greedy output batch-independent.
-            take = min(todo, budget)
-            start = seq.prefilled
-            for i in range(take):
-                last = start + i == len(seq.prompt) - 1
-                if last:
-                    outputs.append((seq, len(entries)))
-                entries.append((seq.prompt[start + i], start + i, seq.seq_id, last))
-            seq.prefilled += take
-            prompt_tokens += take
-            break
+        active.sort(key=lambda seq: seq.seq_id)  # consecutive ids: one ubatch (see _compact)
+        decoding = [seq for seq in active if seq.prefilled == len(seq.prompt)]
         began = time.perf_counter()
-        self._fill(entries)
-        rc = self._ll.llama_decode(self._ctx, self._batch)
-        if rc != 0:
-            self._fail_batch(active, f"llama_decode failed with status {rc}")
+        prompt_tokens = 0
+        groups = range(0, len(decoding), _EXACT_ROWS) if self._exact else range(0)
+        for i in groups:
+            entries: list[tuple[int, int, int, bool]] = []
+            outputs: list[tuple[_Sequence, int]] = []
+            self._add_decodes(decoding[i : i + _EXACT_ROWS], entries, outputs)
+            if not self._run_batch(active, entries, outputs):
+                return
+        entries, outputs = [], []
+        if not self._exact:
+            self._add_decodes(decoding, entries, outputs)
+        prompt_tokens = self._add_prompts(active, entries, outputs, together=not self._exact)
+        if entries and not self._run_batch(active, entries, outputs):
             return
-        self._sample(outputs)
         self._steps += 1
         self._last_step_sequences = len(active)
         if self._observer is not None:
             self._observer(StepStats(time.perf_counter() - began, len(active), prompt_tokens))
+
+    def _run_batch(
+        self,
+        active: list[_Sequence],
+        entries: list[tuple[int, int, int, bool]],
+        outputs: list[tuple[_Sequence, int]],
+    ) -> bool:
+        """One `llama_decode`, then sampling; False if it failed (all of `active` failed)."""
+        self._fill(entries)
+        rc = self._ll.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            self._fail_batch(active, f"llama_decode failed with status {rc}")
+            return False
+        self._sample(outputs)
+        return True
+
+    @staticmethod
+    def _add_decodes(
+        decoding: list[_Sequence],
+        entries: list[tuple[int, int, int, bool]],
+        outputs: list[tuple[_Sequence, int]],
+    ) -> None:
+        for seq in decoding:
+            outputs.append((seq, len(entries)))
+            pos = seq.prefilled + seq.generated - 1  # the last sampled token's position
+            entries.append((seq.last_token, pos, seq.seq_id, True))
+
+    def _add_prompts(
+        self,
+        active: list[_Sequence],
+        entries: list[tuple[int, int, int, bool]],
+        outputs: list[tuple[_Sequence, int]],
+        *,
+        together: bool,
+    ) -> int:
+        """Append prompt chunks within the batch's token budget (every waiting prompt when
+        `together`, else the first one); returns how many tokens were added."""
+        budget = self._batch_tokens - len(entries)
+        added = 0
+        for seq in active:
+            todo = len(seq.prompt) - seq.prefilled
+            if todo == 0 or budget == 0:
+                continue
+            take = min(todo, budget)
+            start = seq.prefilled
+            for i in range(start, start + take):
+                last = i == len(seq.prompt) - 1
+                if last:
+                    outputs.append((seq, len(entries)))
+                entries.append((seq.prompt[i], i, seq.seq_id, last))
+            seq.prefilled += take
+            budget -= take
+            added += take
+            if not together:
+                break
+        return added
 
     def _fill(self, entries: list[tuple[int, int, int, bool]]) -> None:
         batch = self._batch
@@ -540,6 +659,7 @@ class LlamaCppEngine:
             self._ll.llama_sampler_free(seq.sampler)
             seq.sampler = None
         self._free_ids.append(sid)
+        self._freed_at[sid] = self._steps
         seq.seq_id = -1
         self._running.remove(seq)
 

@@ -48,10 +48,12 @@ def build_engine(
         model_id=config.model_name,
         # engine.args is the CRD's free-form escape hatch. "prefixCache": "true" keeps a finished
         # prompt's KV cells for reuse by the next request on that seq_id (faster TTFT for
-        # repeated prompts, but greedy output is then no longer batch-independent, so it is off;
-        # by default every finished sequence's cells are cleared).
+        # repeated prompts); "repack": "true" uses llama.cpp's repacked weights;
+        # "exactBatching": "false" batches like llama-server. Each is faster and each makes
+        # greedy output depend on the batch, so all are off by default (see engines/llamacpp).
         prefix_cache=config.engine.args.get("prefixCache", "false").lower() == "true",
         repack=config.engine.args.get("repack", "false").lower() == "true",
+        exact=config.engine.args.get("exactBatching", "true").lower() == "true",
         observer=observer,
     )
 

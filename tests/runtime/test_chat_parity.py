@@ -1,0 +1,128 @@
+"""Ember's chat path against llama.cpp's own `llama-server` on the same GGUF: same prompt tokens,
+same greedy reply.
+
+This GGUF (google/gemma-3-270m, the pretrained base checkpoint) has no `tokenizer.chat_template`.
+Ember then renders llama.cpp's built-in template for the architecture (`gemma`); llama-server's
+own fallback for a template-less model is ChatML, whose `<|im_start|>` markers are not Gemma
+tokens at all (they are tokenized as plain text), so the reference runs with
+`--chat-template gemma` (no Jinja) and `--no-repack` (Ember's default weight layout). Any
+difference in template text, BOS handling (one `<bos>`, not two), special-token parsing or the
+end-of-turn stop shows up here as different tokens.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from ember_runtime.engines.base import ChatMessage
+
+from bench.llama_server_build import ensure_llama_server
+from tests.runtime.conftest import CONTEXT, LiveServer
+
+DEMO_QUESTION = "In one sentence, why do edge devices throttle when they get hot?"  # make demo
+CONVERSATIONS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": DEMO_QUESTION}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "  Name two primes.  "},  # Gemma's template trims content
+    ],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello. How can I help?"},
+        {"role": "user", "content": "Translate 'Grüße' and 'こんにちは' to English."},
+    ],
+    [{"role": "user", "content": "Say <start_of_turn> and <end_of_turn> literally."}],
+]
+
+
+@pytest.fixture(scope="module")
+def llama_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = ensure_llama_server()  # built once from the same llama.cpp as the bindings
+    log = (tmp_path_factory.mktemp("llama-server") / "log").open("wb")
+    port = _free_port()
+    argv = [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["-t", "1", "-c", str(CONTEXT), "-np", "1", "--no-repack"]
+    argv += ["--no-jinja", "--chat-template", "gemma"]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError("llama-server did not become healthy")
+
+
+def _reference_tokens(url: str, messages: list[dict[str, str]]) -> list[int]:
+    """What llama-server decodes for a chat request: its template, then tokenize as its
+    chat path does (add_special=true, parse_special=true)."""
+    rendered = httpx.post(url + "/apply-template", json={"messages": messages}, timeout=30)
+    rendered.raise_for_status()
+    body = {"content": rendered.json()["prompt"], "add_special": True, "parse_special": True}
+    tokens = httpx.post(url + "/tokenize", json=body, timeout=30)
+    tokens.raise_for_status()
+    ids: list[int] = tokens.json()["tokens"]
+    return ids
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+def test_chat_prompt_tokens_match_llama_server(
+    server: LiveServer, llama_server: str, index: int
+) -> None:
+    messages = CONVERSATIONS[index]
+    engine = server.state.engine
+    rendered = engine.render_chat([ChatMessage(m["role"], m["content"]) for m in messages])
+    ours = engine.tokenize(rendered, add_special=False)  # as the chat route tokenizes it
+    assert ours == _reference_tokens(llama_server, messages)
+    assert ours.count(2) == 1  # exactly one <bos>
+
+
+async def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    data: dict[str, Any] = response.json()
+    return data
+
+
+@pytest.mark.parametrize("index", [0, 2])
+async def test_greedy_chat_reply_matches_llama_server(
+    server: LiveServer, llama_server: str, index: int
+) -> None:
+    messages = CONVERSATIONS[index]
+    ours = await _chat(server.url, messages, max_tokens=32)
+    theirs = await _chat(llama_server, messages, max_tokens=32)
+    assert ours["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]
+    assert ours["choices"][0]["finish_reason"] == theirs["choices"][0]["finish_reason"]
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert ours["usage"][key] == theirs["usage"][key], key
