@@ -13,7 +13,7 @@ APT_PKGS := containerd runc containernetworking-plugins debootstrap etcd-server 
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
 .PHONY: help install apt protos test test-unit lint crds crds-check cluster-build cluster-up \
-        cluster-down cluster-status demo bench e2e e2e-kind clean
+        cluster-down cluster-status demo bench e2e e2e-kind clean llama-server
 
 help: ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
@@ -63,7 +63,10 @@ cluster-down: ## stop the local cluster and clean up
 cluster-status: ## which cluster components run
 	$(PY) -m tests.cluster status
 
-test: install cluster-build lint crds-check ## the whole suite CI runs
+llama-server: install ## build llama.cpp's own server (the runtime's peer in tests and bench), cached
+	$(PY) bench/llama_server_build.py
+
+test: install cluster-build llama-server lint crds-check ## the whole suite CI runs
 	$(VENV)/bin/pytest -p no:cacheprovider -ra
 
 test-unit: install ## tests that need no cluster

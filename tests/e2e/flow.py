@@ -326,21 +326,27 @@ class Flow:
             proc.wait(timeout=10)
 
     def chat(self, local_port: int, prompt: str, on_token: Callable[[str], None]) -> str:
-        body = {
-            "model": "gemma-3-270m",
-            "stream": True,
-            "max_tokens": 48,
-            "temperature": 0,
-            "messages": [{"role": "user", "content": prompt}],
-        }
+        """A streamed /v1/chat/completions request (the model's chat template)."""
+        messages = [{"role": "user", "content": prompt}]
+        return self._stream(local_port, "chat/completions", {"messages": messages}, on_token)
+
+    def complete(self, local_port: int, prompt: str, on_token: Callable[[str], None]) -> str:
+        """A streamed /v1/completions request (plain text continuation)."""
+        return self._stream(local_port, "completions", {"prompt": prompt}, on_token)
+
+    def _stream(
+        self, local_port: int, path: str, fields: dict[str, Any], on_token: Callable[[str], None]
+    ) -> str:
+        body = {"model": "gemma-3-270m", "stream": True, "max_tokens": 48, "temperature": 0}
         text = []
-        url = f"http://127.0.0.1:{local_port}/v1/chat/completions"
-        with httpx.stream("POST", url, json=body, timeout=120) as resp:
+        url = f"http://127.0.0.1:{local_port}/v1/{path}"
+        with httpx.stream("POST", url, json={**body, **fields}, timeout=120) as resp:
             resp.raise_for_status()
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content") or ""
+                choice = json.loads(line[6:])["choices"][0]
+                delta = choice.get("delta", {}).get("content") or choice.get("text") or ""
                 text.append(delta)
                 on_token(delta)
         return "".join(text)

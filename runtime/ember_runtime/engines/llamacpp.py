@@ -297,7 +297,7 @@ class LlamaCppEngine:
         ll = self._ll
         if ll is None:
             return
-        for seq in self._running:
+        for seq in list(self._running):  # _release removes it from _running
             self._release(seq)
         if self._batch is not None:
             ll.llama_batch_free(self._batch)
