@@ -105,13 +105,13 @@ class Flow:
         return proc.stdout
 
     # -- install ---------------------------------------------------------------------------
-    def install(self) -> None:
+    def install(self, extra_values: tuple[str, ...] = ()) -> None:
         with timed("building Ember's images and loading them into the node"):
             sets = self.target.load_images()
         with timed(f"helm install {RELEASE} charts/ember (namespace {SYSTEM_NS})"):
             values = [
                 *self.target.helm_values(),
-                f"operator.sensorsSysfsRoot={FAKE_SYS}",
+                *extra_values,
                 *(f"{k}={v}" for k, v in sets.items()),
             ]
             args = [
@@ -160,6 +160,11 @@ class Flow:
             self.set_temperature(COOL_CELSIUS)
             labels = [f"{k}={v}" for k, v in NODE_LABELS.items()]
             self.run_kubectl("label", "node", node, *labels, "--overwrite")
+
+    @staticmethod
+    def fake_node_values() -> tuple[str, ...]:
+        """Helm values that point Ember at what `prepare_node` made (install after it)."""
+        return (f"operator.sensorsSysfsRoot={FAKE_SYS}",)
 
     def restore_node(self) -> None:
         node = self.target.node_name()

@@ -76,7 +76,7 @@ def main() -> int:
     flow = Flow(target, helm="helm", kubectl="kubectl")
     try:
         flow.prepare_node()
-        flow.install()
+        flow.install(flow.fake_node_values())
         flow.wait_npu_capacity()
         flow.apply(flow.model_manifest("gemma", "default", npu=True))
         flow.wait_ready("gemma", "default")

@@ -29,7 +29,7 @@ def flow(node: NodeHandle, kube: Kube) -> Iterator[Flow]:
     flow.prepare_node()
     try:
         with flow.dumping(SYSTEM_NS):
-            flow.install()
+            flow.install(flow.fake_node_values())
         yield flow
     finally:
         flow.restore_node()
