@@ -23,6 +23,9 @@ def main() -> int:
         cluster.up()
     flow = local_flow(cluster)
     flow.install()
+    # A fresh InferenceDeployment each run: a leftover from an interrupted run (a pod stuck
+    # mid-rollout on this 2-CPU node) must not block the new one.
+    flow.run_kubectl("delete", "infd", NAME, "-n", NAMESPACE, "--ignore-not-found", "--wait")
     flow.apply(flow.model_manifest(NAME, NAMESPACE))
     flow.wait_ready(NAME, NAMESPACE)
     print(flow.run_kubectl("get", "infd", "-n", NAMESPACE), file=sys.stderr)
