@@ -265,10 +265,20 @@ class Flow:
             raise TimeoutError(f"{name} not Ready after {timeout:.0f}s\n{self.dump(namespace)}")
 
     def pods(self, name: str, namespace: str) -> list[str]:
+        """The InferenceDeployment's live pods. A pod the kubelet refused at admission (e.g. the
+        device plugin re-registering after a kubelet restart) stays behind as Failed while its
+        ReplicaSet replaces it; it serves nothing, so it is not counted."""
         obj = json.loads(self.run_kubectl("get", "infd", name, "-n", namespace, "-o", "json"))
         selector = obj["status"]["selector"]
-        out = self.run_kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "name")
-        return [line.removeprefix("pod/") for line in out.split()]
+        out = self.run_kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json")
+        live = []
+        for pod in json.loads(out)["items"]:
+            phase = pod["status"].get("phase")
+            if pod["metadata"].get("deletionTimestamp") or phase in ("Failed", "Succeeded"):
+                print(f"    not live: {pod['metadata']['name']} {phase}", file=sys.stderr)
+                continue
+            live.append(str(pod["metadata"]["name"]))
+        return live
 
     def container_env(self, pod: str, namespace: str, *names: str) -> dict[str, str]:
         out = self.run_kubectl("exec", "-n", namespace, pod, "-c", "runtime", "--", "env")
