@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -286,9 +287,12 @@ class Flow:
         return {k: env[k] for k in names if k in env}
 
     def get_columns(self, name: str, namespace: str) -> dict[str, str]:
-        """`kubectl get infd NAME` as {COLUMN: value}."""
+        """`kubectl get infd NAME` as {COLUMN: value}, cut at the header's column offsets: an
+        empty cell (TEMP before any reading) must not shift the columns after it."""
         header, row = self.run_kubectl("get", "infd", name, "-n", namespace).splitlines()[:2]
-        return dict(zip(header.split(), row.split(), strict=False))
+        starts = [m.start() for m in re.finditer(r"\S+", header)]
+        bounds = zip(starts, [*starts[1:], None], strict=True)
+        return {header.split()[i]: row[a:b].strip() for i, (a, b) in enumerate(bounds)}
 
     def wait_columns(
         self, name: str, namespace: str, want: Callable[[dict[str, str]], bool], what: str

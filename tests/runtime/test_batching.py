@@ -14,17 +14,15 @@ from pathlib import Path
 from ember_runtime.engines.base import SamplingParams
 from ember_runtime.engines.llamacpp import LlamaCppEngine
 
+from tests.runtime.test_generation import PROMPTS as HTTP_PROMPTS
+
 LONG = (  # 70+ tokens: llama.cpp attends over 64+ prompt rows with a tiled kernel
     "Write a long, detailed story about {}. Describe the setting, the weather, the sounds and "
     "the smells, introduce every character with care, give each of them a name, a job and a "
     "secret, use simple words and short sentences, and do not stop early. It was"
 )
 PROMPTS = [
-    "The three primary colors are",
-    "Once upon a time, in a small village by the sea,",
-    "def fibonacci(n):",
-    "The capital of France is Paris. The capital of Germany is",
-    "List of prime numbers: 2, 3, 5, 7,",
+    *HTTP_PROMPTS,
     LONG.format("a lighthouse keeper who finds a message in a bottle"),
     LONG.format("two rival bakers in a small northern town"),
     LONG.format("an astronaut repairing a satellite during a solar storm"),

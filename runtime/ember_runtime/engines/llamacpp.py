@@ -511,7 +511,6 @@ class LlamaCppEngine:
         active.sort(key=lambda seq: seq.seq_id)  # consecutive ids: one ubatch (see _compact)
         decoding = [seq for seq in active if seq.prefilled == len(seq.prompt)]
         began = time.perf_counter()
-        prompt_tokens = 0
         groups = range(0, len(decoding), _EXACT_ROWS) if self._exact else range(0)
         for i in groups:
             entries: list[tuple[int, int, int, bool]] = []
