@@ -14,7 +14,10 @@ one the session started is torn down at the end unless EMBER_KEEP_CLUSTER=1.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from kubernetes.config import kube_config
 from tests.cluster.cluster import DEVICE_PLUGIN_DIR, NODE_NAME, POD_RESOURCES_SOCKET, Cluster
 from tests.cluster.fleet import ensure_fleet
 from tests.cluster.images import BASE_IMAGE
+from tests.cluster.paths import bin_dir
 
 
 @dataclass
@@ -82,7 +86,39 @@ def kube(cluster: Cluster) -> Kube:
     os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
     kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(cluster.kubeconfig)
     api = config.new_client_from_config(str(cluster.kubeconfig))
-    return Kube(cluster=cluster, kubeconfig=cluster.kubeconfig, api=api)
+    kube = Kube(cluster=cluster, kubeconfig=cluster.kubeconfig, api=api)
+    clear_leftovers(kube)
+    return kube
+
+
+def clear_leftovers(kube: Kube) -> None:
+    """Start from a state the suite controls, whatever ran before on a reused cluster.
+
+    `make demo` leaves Ember installed (its operator would act on the suite's objects beside
+    the operator under test) and an InferenceDeployment whose replica holds a CPU of the real
+    node (the e2e's replica could not be scheduled). Both are removed; the README says so.
+    """
+    helm = [str(bin_dir() / "helm"), f"--kubeconfig={kube.kubeconfig}"]
+    listed = subprocess.run([*helm, "list", "-A", "-o", "json"], capture_output=True, check=False)
+    for release in json.loads(listed.stdout or "[]") if listed.returncode == 0 else []:
+        if release.get("chart", "").startswith("ember-"):
+            name, ns = release["name"], release["namespace"]
+            print(f"removing Helm release {ns}/{name} left running")
+            uninstall = [*helm, "uninstall", name, "-n", ns, "--wait", "--timeout", "180s"]
+            subprocess.run(uninstall, check=True, capture_output=True)
+    objs = kube.cluster.kubectl("get", "infd", "-A", "-o", "name", check=False).split()
+    if objs:
+        print(f"deleting InferenceDeployments left on the cluster: {' '.join(objs)}")
+        kube.cluster.kubectl("delete", "infd", "--all", "-A", "--wait", timeout=180)
+    # Their pods go by garbage collection; wait until the node's CPUs are free again.
+    deadline = time.monotonic() + 180
+    selector = "app.kubernetes.io/managed-by=ember-operator"
+    while kube.cluster.kubectl(
+        "get", "pods", "-A", "-l", selector, "-o", "name", check=False
+    ).strip():
+        if time.monotonic() > deadline:
+            raise RuntimeError("pods of deleted InferenceDeployments did not go away in 180 s")
+        time.sleep(1)
 
 
 @pytest.fixture(scope="session")

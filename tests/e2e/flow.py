@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -24,12 +25,15 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+from ember_operator import quantity
 from ember_runtime.models import MODEL_SHA256, default_model_path
 
+from tests.cluster.images import PAUSE_IMAGE
 from tests.cluster.procs import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +53,10 @@ FAKE_SYS = Path("/var/lib/ember/e2e/sys")
 FAKE_ZONE = FAKE_SYS / "class" / "thermal" / "thermal_zone0"
 NODE_LABELS = {"ember.dev/site": SITE, "ember.dev/npu": "true"}
 HOT_CELSIUS, COOL_CELSIUS = 87.0, 40.0
+# A Degraded reason that stands this long fails a wait at once (with the reason). Long enough
+# for a replace-rollout on a full node (old pod's drain, new pod's start), short against the
+# 600 s a wait would otherwise burn.
+DEGRADED_GRACE_SECONDS = 90.0
 
 
 def step(msg: str) -> None:
@@ -246,10 +254,25 @@ class Flow:
         if proc.returncode != 0:
             raise RuntimeError(f"kubectl apply: {proc.stderr.strip()}")
 
-    def wait_ready(self, name: str, namespace: str, timeout: float = 600) -> None:
-        with timed(f"waiting for InferenceDeployment {namespace}/{name} to be Ready"):
+    def wait_ready(
+        self,
+        name: str,
+        namespace: str,
+        timeout: float = 600,
+        *,
+        until: Callable[[dict[str, Any]], bool] | None = None,
+        what: str = "Ready",
+    ) -> dict[str, Any]:
+        """Wait for the object's Ready condition (and `until`, if given); return the object.
+
+        Fails fast once a `Degraded` reason has stood for DEGRADED_GRACE_SECONDS: a replica
+        that cannot be scheduled or prewarmed will not become Ready by waiting, and the
+        object's own reason says why. A reason that clears (a rollout freeing room, a slow
+        first pull) restarts the clock.
+        """
+        with timed(f"waiting for InferenceDeployment {namespace}/{name} to be {what}"):
             deadline = time.monotonic() + timeout
-            last = ""
+            last, degraded = "", DegradedClock()
             while time.monotonic() < deadline:
                 row = self.run_kubectl(
                     "get", "infd", name, "-n", namespace, "--no-headers", check=False
@@ -260,10 +283,27 @@ class Flow:
                 obj = json.loads(
                     self.run_kubectl("get", "infd", name, "-n", namespace, "-o", "json")
                 )
-                if _condition(obj, "Ready") == "True":
-                    return
+                if _condition(obj, "Ready") == "True" and (until is None or until(obj)):
+                    return obj
+                stuck = degraded.update(obj)
+                if stuck is not None:
+                    raise DegradedError(f"{name} is {stuck}\n{self.dump(namespace)}")
                 time.sleep(2)
-            raise TimeoutError(f"{name} not Ready after {timeout:.0f}s\n{self.dump(namespace)}")
+            raise TimeoutError(f"{name} not {what} after {timeout:.0f}s\n{self.dump(namespace)}")
+
+    def wait_rolled(self, name: str, namespace: str, old_pods: list[str]) -> list[str]:
+        """After an edit: wait until the new generation is observed, Ready, and served only by
+        new pods (none of `old_pods` left); returns the live pods."""
+
+        def rolled(obj: dict[str, Any]) -> bool:
+            observed = obj.get("status", {}).get("observedGeneration")
+            if observed != obj["metadata"]["generation"]:
+                return False
+            live = self.pods(name, namespace)
+            return bool(live) and not set(live) & set(old_pods)
+
+        self.wait_ready(name, namespace, until=rolled, what="rolled out to new pods")
+        return self.pods(name, namespace)
 
     def pods(self, name: str, namespace: str) -> list[str]:
         """The InferenceDeployment's live pods. A pod the kubelet refused at admission (e.g. the
@@ -322,6 +362,52 @@ class Flow:
         self.set_temperature(COOL_CELSIUS)
         cool = self.wait_columns(name, namespace, lambda c: c.get("BATCH") == "8", "BATCH 8")
         return hot, cool
+
+    # -- a full node ------------------------------------------------------------------------
+    def free_cpu(self) -> Fraction:
+        """The serving node's allocatable CPU minus what its live pods request."""
+        node = self.target.node_name()
+        obj = json.loads(self.run_kubectl("get", "node", node, "-o", "json"))
+        free = quantity.parse(obj["status"]["allocatable"]["cpu"])
+        selector = f"spec.nodeName={node},status.phase!=Succeeded,status.phase!=Failed"
+        pods = self.run_kubectl("get", "pods", "-A", "--field-selector", selector, "-o", "json")
+        for pod in json.loads(pods)["items"]:
+            free -= _pod_cpu(pod["spec"])
+        return free
+
+    def replica_cpu(self, name: str, namespace: str) -> Fraction:
+        """The CPU one replica of the InferenceDeployment requests (from its Deployment)."""
+        deploy = json.loads(self.run_kubectl("get", "deploy", name, "-n", namespace, "-o", "json"))
+        return _pod_cpu(deploy["spec"]["template"]["spec"])
+
+    @contextlib.contextmanager
+    def node_full_for(self, cpu: Fraction, namespace: str) -> Iterator[None]:
+        """Leave less than `cpu` free on the serving node for the duration (a pause pod takes
+        the rest), so a second replica of that size cannot be scheduled there."""
+        spare = self.free_cpu() - cpu / 2
+        name = "ember-e2e-filler"
+        if spare > 0:
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {
+                    "nodeName": self.target.node_name(),
+                    "containers": [
+                        {
+                            "name": "pause",
+                            "image": PAUSE_IMAGE,
+                            "imagePullPolicy": "Never",
+                            "resources": {"requests": {"cpu": f"{math.floor(spare * 1000)}m"}},
+                        }
+                    ],
+                },
+            }
+            self.apply(pod)
+        try:
+            yield
+        finally:
+            self.run_kubectl("delete", "pod", name, "-n", namespace, "--ignore-not-found")
 
     # -- talking to it -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -405,10 +491,52 @@ class Flow:
 
 
 def _condition(obj: dict[str, Any], kind: str) -> str | None:
+    found = _find_condition(obj, kind)
+    return None if found is None else str(found.get("status"))
+
+
+def _find_condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
     for cond in obj.get("status", {}).get("conditions", []):
         if cond.get("type") == kind:
-            return str(cond.get("status"))
+            return dict(cond)
     return None
+
+
+class DegradedError(RuntimeError):
+    """The InferenceDeployment stayed Degraded for one reason: waiting longer will not help."""
+
+
+@dataclass
+class DegradedClock:
+    """How long the object's current `Degraded` reason has stood (monotonic seconds)."""
+
+    grace: float = DEGRADED_GRACE_SECONDS
+    reason: str | None = None
+    since: float = 0.0
+
+    def update(self, obj: dict[str, Any]) -> str | None:
+        """Feed the latest object; returns "Degraded <reason>: <message>" once one reason has
+        stood for `grace` seconds, else None."""
+        cond = _find_condition(obj, "Degraded")
+        reason = cond.get("reason") if cond and cond.get("status") == "True" else None
+        now = time.monotonic()
+        if reason != self.reason:
+            self.reason, self.since = reason, now
+        if reason is None or cond is None or now - self.since < self.grace:
+            return None
+        return f"Degraded {reason}: {cond.get('message', '')}"
+
+
+def _pod_cpu(pod_spec: dict[str, Any]) -> Fraction:
+    """A pod's effective CPU request, as the scheduler counts it: the larger of the sum over
+    its containers and any one init container."""
+
+    def cpu(container: dict[str, Any]) -> Fraction:
+        requests = container.get("resources", {}).get("requests", {})
+        return quantity.parse(requests.get("cpu", "0"))
+
+    main = sum((cpu(c) for c in pod_spec.get("containers", [])), Fraction(0))
+    return max([main, *(cpu(c) for c in pod_spec.get("initContainers", []))])
 
 
 def _port_open(port: int) -> bool:

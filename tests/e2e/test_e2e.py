@@ -79,6 +79,25 @@ def test_heat_lowers_the_batch_in_kubectl_get(flow: Flow, served: str) -> None:
     assert cool["BATCH"] == "8", cool
 
 
+def test_edit_replaces_the_replica_on_a_full_node(flow: Flow, served: str) -> None:
+    """An edit of a running one-replica InferenceDeployment on a node with no room for a second
+    replica: the rollout must replace the pod in place. (Kubernetes' default 25 %/25 % rolls a
+    one-replica Deployment with maxSurge 1: its surge pod stays Pending on a full node and the
+    old pod is never replaced; the wait then fails fast on `Degraded Unschedulable`.)"""
+    (old,) = flow.pods(NAME, served)
+    cpu = flow.replica_cpu(NAME, served)
+    with flow.dumping(served), flow.node_full_for(cpu, served):
+        assert flow.free_cpu() < cpu, "the node must be full for this test to mean anything"
+        edit = {"spec": {"engine": {"contextLength": 768}}}
+        flow.run_kubectl(
+            "patch", "infd", NAME, "-n", served, "--type=merge", "-p", json.dumps(edit)
+        )
+        (new,) = flow.wait_rolled(NAME, served, [old])
+    deploy = json.loads(flow.run_kubectl("get", "deploy", NAME, "-n", served, "-o", "json"))
+    assert deploy["status"].get("updatedReplicas") == 1, deploy["status"]
+    assert new != old
+
+
 def test_helm_uninstall_leaves_nothing_behind(flow: Flow) -> None:
     flow.uninstall()
 

@@ -49,6 +49,17 @@ def test_pdb_only_with_more_than_one_replica() -> None:
     assert out["Deployment"]["spec"]["replicas"] == 3
 
 
+def test_rollout_replaces_without_surging() -> None:
+    # A full edge node (its CPUs, its one accelerator) has no room for a surge pod: the
+    # default 25%/25% (maxSurge 1 for one replica) would leave the rollout Pending forever.
+    for replicas in (1, 3):
+        strategy = _render(replicas=replicas)["Deployment"]["spec"]["strategy"]
+        assert strategy == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+        }
+
+
 def test_pod_template_security_and_containers() -> None:
     pod = _pod(_render())
     assert pod["securityContext"]["runAsNonRoot"] is True

@@ -106,8 +106,10 @@ def test_chat_prompt_tokens_match_llama_server(
     assert ours.count(2) == 1  # exactly one <bos>
 
 
-async def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+async def _chat(
+    url: str, messages: list[dict[str, str]], max_tokens: int, **extra: Any
+) -> dict[str, Any]:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         response = await client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
@@ -115,14 +117,40 @@ async def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> di
     return data
 
 
-@pytest.mark.parametrize("index", [0, 2])
+# Greedy text from two programs is equal only while every kernel choice on the way is equal
+# (batch shape, prompt chunking, threads, the CPU's instruction set: see the engine's notes):
+# where the top two tokens are nearly tied, a last-bit difference in the logits picks the
+# other one, and the texts part from there on. So the reply is compared up to the first
+# *close call*, a step where llama-server's top two candidates are within CLEAR_MARGIN (natural
+# log-probability) of each other; kernel rounding moves logits by far less than that. Up to
+# there, a different token is a real difference (template, BOS, special tokens, sampling).
+CLEAR_MARGIN = 1.0
+
+
+def _clear_prefix(steps: list[dict[str, Any]]) -> tuple[bytes, bool]:
+    """llama-server's reply bytes up to its first close call; True when there was none."""
+    out = b""
+    for entry in steps:
+        top = sorted((t["logprob"] for t in entry["top_logprobs"]), reverse=True)
+        if len(top) > 1 and top[0] - top[1] < CLEAR_MARGIN:
+            return out, False
+        out += bytes(entry["bytes"])
+    return out, True
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
 async def test_greedy_chat_reply_matches_llama_server(
     server: LiveServer, llama_server: str, index: int
 ) -> None:
     messages = CONVERSATIONS[index]
     ours = await _chat(server.url, messages, max_tokens=32)
-    theirs = await _chat(llama_server, messages, max_tokens=32)
-    assert ours["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]
-    assert ours["choices"][0]["finish_reason"] == theirs["choices"][0]["finish_reason"]
-    for key in ("prompt_tokens", "completion_tokens"):
-        assert ours["usage"][key] == theirs["usage"][key], key
+    theirs = await _chat(llama_server, messages, max_tokens=32, logprobs=True, top_logprobs=2)
+    assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
+    (choice,) = theirs["choices"]
+    clear, whole = _clear_prefix(choice["logprobs"]["content"])
+    text = ours["choices"][0]["message"]["content"]
+    assert text.encode().startswith(clear), (text, clear.decode("utf-8", "replace"))
+    if whole:  # no close call at all: the whole reply, its length and its stop agree
+        assert text == choice["message"]["content"]
+        assert ours["choices"][0]["finish_reason"] == choice["finish_reason"]
+        assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]

@@ -17,8 +17,9 @@ Gemma 3 270M Q4_K_M; `bench/results/runtime_bench.md` has the numbers):
   2..7 rows are bit-identical to 1. And attention over a prompt chunk of 64 or more tokens
   uses a tiled kernel, so a prompt split differently (e.g. 1 + 63 tokens) also changes.
 * Exact batching (the default, `engine.args.exactBatching`) keeps a request's greedy output
-  identical alone or batched: decode rows go in `llama_decode` calls of at most 7 sequences
-  and each prompt chunk gets its own call, exactly as it would alone. The price is an extra
+  identical alone or batched: decode rows go in `llama_decode` calls no wider than the
+  widest that a probe at load found bit-identical to single rows on this CPU (7 on the box
+  above), and each prompt chunk gets its own call, exactly as it would alone. The price is an extra
   pass over the weights per step from the 8th running sequence on, and one prompt per step.
 * Fast batching (`exactBatching: "false"`) does what llama-server does: one call per step over
   every decode row and every waiting prompt. Combine with `prefixCache` (reuse a finished
@@ -64,11 +65,13 @@ log = logging.getLogger(__name__)
 
 # llama.cpp logs every tensor at load time; keep warnings and errors only. The callback must
 # outlive the library, hence a module-level reference.
-# Exact batching: at most this many sequences per `llama_decode`. On x86 CPUs, llama.cpp
-# computes a ubatch of 8 or more rows with different kernels than a single row (measured
-# here: logits differ by up to ~1.0 from 8 rows on, bit-identical for 2..7), so 7 keeps a
-# request's greedy output independent of its neighbours.
-_EXACT_ROWS = 7
+# Exact batching: the most rows a `llama_decode` may carry is probed at start (`_probe_rows`),
+# never assumed: the width at which llama.cpp switches CPU kernels depends on the CPU and the
+# build (measured on one 2-core x86 box: logits differ by up to ~1.0 from 8 rows on,
+# bit-identical for 2..7; another CPU may switch earlier or never). The probe tries widths up
+# to this bound; past it a pass over the weights is compute-bound anyway on a small edge CPU.
+_PROBE_MAX_ROWS = 16
+_PROBE_PREFIX = 3  # tokens of context per probe sequence, so attention has cells to read
 _GGML_LEVELS = {3: logging.WARNING, 4: logging.ERROR}  # ggml: 1 debug, 2 info, 3 warn, 4 error
 _log_callback: Any = None
 
@@ -187,6 +190,7 @@ class LlamaCppEngine:
         self._prefix_cache = prefix_cache
         self._repack = repack
         self._exact = exact
+        self._exact_rows = 1  # probed at load (exact mode); 1 is always batch-independent
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -262,13 +266,23 @@ class LlamaCppEngine:
                 self._builtin_template,
             )
         self._warm_up()
+        if self._exact:
+            self._exact_rows = self._probe_rows(min(self._capacity, _PROBE_MAX_ROWS))
         log.info(
-            "llama.cpp engine ready: %s, capacity %d, %d tokens/sequence, %d thread(s)",
+            "llama.cpp engine ready: %s, capacity %d, %d tokens/sequence, %d thread(s), %s",
             self._path.name,
             self._capacity,
             self.info.context_length,
             self._threads,
+            f"exact batching ({self._exact_rows} rows per decode, probed)"
+            if self._exact
+            else "fast batching",
         )
+
+    @property
+    def exact_rows(self) -> int:
+        """Exact batching's widest `llama_decode` (probed on this CPU at load); 0 when fast."""
+        return self._exact_rows if self._exact else 0
 
     def _context_params(self, ll: Any) -> Any:
         cparams = ll.llama_context_default_params()
@@ -292,6 +306,56 @@ class LlamaCppEngine:
         if ll.llama_decode(self._ctx, self._batch) != 0:
             raise EngineUnavailableError("llama.cpp failed the warm-up decode")
         ll.llama_memory_seq_rm(self._mem, 0, -1, -1)
+
+    def _probe_rows(self, widest: int) -> int:
+        """The widest decode whose rows come out bit-identical to the same rows decoded alone.
+
+        Each of `widest` sequences gets a short context of its own, then one more token is
+        decoded alone (the reference logits) and in batches of 2, 3, … rows: the first width
+        whose logits differ from the references ends the probe. Exact batching needs every
+        width up to its limit to agree (a step's last group can be any size), so the scan
+        stops at the first mismatch. Costs about 2 x widest passes over the weights, once.
+        """
+        ll, mem = self._ll, self._mem
+        vocab = self._n_vocab
+
+        def token(i: int) -> int:  # distinct tokens, so every row of a batch differs
+            return (max(ll.llama_vocab_bos(self._vocab), 0) + 1 + i) % vocab
+
+        for sid in range(widest):
+            self._fill([(token(sid + i), i, sid, False) for i in range(_PROBE_PREFIX)])
+            self._decode_or_fail("probe prefix")
+        rows = [(token(100 + sid), _PROBE_PREFIX, sid, True) for sid in range(widest)]
+        alone = []
+        for row in rows:
+            alone.append(self._probe_logits([row])[0])
+        agreed = 1
+        for width in range(2, widest + 1):
+            together = self._probe_logits(rows[:width])
+            if any(not np.array_equal(a, b) for a, b in zip(alone, together, strict=False)):
+                break
+            agreed = width
+        for sid in range(widest):
+            ll.llama_memory_seq_rm(mem, sid, -1, -1)
+        return agreed
+
+    def _probe_logits(self, rows: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+        """Decode `rows` (one per sequence) in one call; their logits, then forget the rows."""
+        self._fill(rows)
+        self._decode_or_fail("probe")
+        out = [
+            np.ctypeslib.as_array(
+                self._ll.llama_get_logits_ith(self._ctx, i), (self._n_vocab,)
+            ).copy()
+            for i in range(len(rows))
+        ]
+        for _tok, pos, sid, _want in rows:
+            self._ll.llama_memory_seq_rm(self._mem, sid, pos, -1)
+        return out
+
+    def _decode_or_fail(self, what: str) -> None:
+        if self._ll.llama_decode(self._ctx, self._batch) != 0:
+            raise EngineUnavailableError(f"llama.cpp failed the {what} decode")
 
     def _free(self) -> None:
         ll = self._ll
@@ -502,20 +566,21 @@ class LlamaCppEngine:
         """One scheduling step: decode one token for every generating sequence and feed
         prompt chunks, then sample each sequence whose logits came out.
 
-        Exact (default): decode rows go in `llama_decode` calls of at most `_EXACT_ROWS`
-        sequences, and a prompt chunk gets a call of its own, so every row is computed by
-        the same kernels as when its request runs alone (see the module docstring). Fast:
-        one call over everything, as llama-server does.
+        Exact (default): decode rows go in `llama_decode` calls of at most `exact_rows`
+        sequences (probed at load), and a prompt chunk gets a call of its own, so every row is
+        computed by the same kernels as when its request runs alone (see the module
+        docstring). Fast: one call over everything, as llama-server does.
         """
         active = self._running[: self._max_batch]  # a lowered limit pauses the newest ones
         active.sort(key=lambda seq: seq.seq_id)  # consecutive ids: one ubatch (see _compact)
         decoding = [seq for seq in active if seq.prefilled == len(seq.prompt)]
         began = time.perf_counter()
-        groups = range(0, len(decoding), _EXACT_ROWS) if self._exact else range(0)
+        rows = self._exact_rows
+        groups = range(0, len(decoding), rows) if self._exact else range(0)
         for i in groups:
             entries: list[tuple[int, int, int, bool]] = []
             outputs: list[tuple[_Sequence, int]] = []
-            self._add_decodes(decoding[i : i + _EXACT_ROWS], entries, outputs)
+            self._add_decodes(decoding[i : i + rows], entries, outputs)
             if not self._run_batch(active, entries, outputs):
                 return
         entries, outputs = [], []

@@ -1,0 +1,43 @@
+"""The e2e flow's own logic that needs no cluster: when a wait gives up on a Degraded object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.e2e import flow
+from tests.e2e.flow import DegradedClock
+
+
+def _obj(reason: str | None, message: str = "") -> dict[str, Any]:
+    status = "True" if reason else "False"
+    cond = {"type": "Degraded", "status": status, "reason": reason or "AsExpected"}
+    return {"status": {"conditions": [{**cond, "message": message}]}}
+
+
+def test_a_reason_that_stands_fails_with_its_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(flow.time, "monotonic", lambda: now[0])
+    clock = DegradedClock(grace=90)
+    stuck = _obj("Unschedulable", "0/1 nodes are available: 1 Insufficient cpu.")
+    assert clock.update(stuck) is None
+    now[0] += 89
+    assert clock.update(stuck) is None
+    now[0] += 2
+    assert clock.update(stuck) == (
+        "Degraded Unschedulable: 0/1 nodes are available: 1 Insufficient cpu."
+    )
+
+
+def test_a_reason_that_clears_or_changes_restarts_the_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [0.0]
+    monkeypatch.setattr(flow.time, "monotonic", lambda: now[0])
+    clock = DegradedClock(grace=90)
+    for step in (_obj("Unschedulable"), _obj(None), _obj("Unschedulable"), _obj("Pulling")):
+        assert clock.update(step) is None  # a rollout freeing room: never a failure
+        now[0] += 60
+    assert clock.update(_obj("Pulling")) is None  # 60 s of this reason so far
+    assert clock.update({"status": {}}) is None  # no conditions yet
