@@ -280,7 +280,7 @@ class Flow:
                 if row != last:
                     print(f"    {row}", file=sys.stderr, flush=True)
                     last = row
-                obj = json.loads(
+                obj: dict[str, Any] = json.loads(
                     self.run_kubectl("get", "infd", name, "-n", namespace, "-o", "json")
                 )
                 if _condition(obj, "Ready") == "True" and (until is None or until(obj)):
@@ -511,6 +511,7 @@ class DegradedClock:
     """How long the object's current `Degraded` reason has stood (monotonic seconds)."""
 
     grace: float = DEGRADED_GRACE_SECONDS
+    clock: Callable[[], float] = time.monotonic
     reason: str | None = None
     since: float = 0.0
 
@@ -519,7 +520,7 @@ class DegradedClock:
         stood for `grace` seconds, else None."""
         cond = _find_condition(obj, "Degraded")
         reason = cond.get("reason") if cond and cond.get("status") == "True" else None
-        now = time.monotonic()
+        now = self.clock()
         if reason != self.reason:
             self.reason, self.since = reason, now
         if reason is None or cond is None or now - self.since < self.grace:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-from tests.e2e import flow
 from tests.e2e.flow import DegradedClock
 
 
@@ -16,10 +13,9 @@ def _obj(reason: str | None, message: str = "") -> dict[str, Any]:
     return {"status": {"conditions": [{**cond, "message": message}]}}
 
 
-def test_a_reason_that_stands_fails_with_its_message(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_reason_that_stands_fails_with_its_message() -> None:
     now = [100.0]
-    monkeypatch.setattr(flow.time, "monotonic", lambda: now[0])
-    clock = DegradedClock(grace=90)
+    clock = DegradedClock(grace=90, clock=lambda: now[0])
     stuck = _obj("Unschedulable", "0/1 nodes are available: 1 Insufficient cpu.")
     assert clock.update(stuck) is None
     now[0] += 89
@@ -30,12 +26,9 @@ def test_a_reason_that_stands_fails_with_its_message(monkeypatch: pytest.MonkeyP
     )
 
 
-def test_a_reason_that_clears_or_changes_restarts_the_clock(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_reason_that_clears_or_changes_restarts_the_clock() -> None:
     now = [0.0]
-    monkeypatch.setattr(flow.time, "monotonic", lambda: now[0])
-    clock = DegradedClock(grace=90)
+    clock = DegradedClock(grace=90, clock=lambda: now[0])
     for step in (_obj("Unschedulable"), _obj(None), _obj("Unschedulable"), _obj("Pulling")):
         assert clock.update(step) is None  # a rollout freeing room: never a failure
         now[0] += 60

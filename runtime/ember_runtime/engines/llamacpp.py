@@ -317,10 +317,10 @@ class LlamaCppEngine:
         stops at the first mismatch. Costs about 2 x widest passes over the weights, once.
         """
         ll, mem = self._ll, self._mem
-        vocab = self._n_vocab
+        vocab, first = self._n_vocab, max(int(ll.llama_vocab_bos(self._vocab)), 0) + 1
 
         def token(i: int) -> int:  # distinct tokens, so every row of a batch differs
-            return (max(ll.llama_vocab_bos(self._vocab), 0) + 1 + i) % vocab
+            return (first + i) % vocab
 
         for sid in range(widest):
             self._fill([(token(sid + i), i, sid, False) for i in range(_PROBE_PREFIX)])
