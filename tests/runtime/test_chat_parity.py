@@ -120,22 +120,27 @@ async def _chat(
 # Greedy text from two programs is equal only while every kernel choice on the way is equal
 # (batch shape, prompt chunking, threads, the CPU's instruction set: see the engine's notes):
 # where the top two tokens are nearly tied, a last-bit difference in the logits picks the
-# other one, and the texts part from there on. So the reply is compared up to the first
-# *close call*, a step where llama-server's top two candidates are within CLEAR_MARGIN (natural
-# log-probability) of each other; kernel rounding moves logits by far less than that. Up to
-# there, a different token is a real difference (template, BOS, special tokens, sampling).
+# other one, and the texts part from there on. (This model's reply to the third conversation
+# starts with a tie: its top two first tokens are 0.02 apart.) So the replies are walked token
+# by token along llama-server's: they may part only at a *close call*, a step where
+# llama-server's top two candidates are within CLEAR_MARGIN (natural log-probability) of each
+# other — kernel rounding moves logits by far less. Parting anywhere else is a real difference
+# (template, BOS, special tokens, sampling, stop handling).
 CLEAR_MARGIN = 1.0
 
 
-def _clear_prefix(steps: list[dict[str, Any]]) -> tuple[bytes, bool]:
-    """llama-server's reply bytes up to its first close call; True when there was none."""
-    out = b""
-    for entry in steps:
+def _parting(ours: bytes, steps: list[dict[str, Any]]) -> tuple[int, float | None]:
+    """Walk llama-server's tokens along our reply: (tokens that agree, the margin at the step
+    where the replies part, or None when all of llama-server's tokens agree)."""
+    pos = 0
+    for n, entry in enumerate(steps):
+        token = bytes(entry["bytes"])
+        if ours.startswith(token, pos):
+            pos += len(token)
+            continue
         top = sorted((t["logprob"] for t in entry["top_logprobs"]), reverse=True)
-        if len(top) > 1 and top[0] - top[1] < CLEAR_MARGIN:
-            return out, False
-        out += bytes(entry["bytes"])
-    return out, True
+        return n, (top[0] - top[1]) if len(top) > 1 else float("inf")
+    return len(steps), None
 
 
 @pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
@@ -147,10 +152,11 @@ async def test_greedy_chat_reply_matches_llama_server(
     theirs = await _chat(llama_server, messages, max_tokens=32, logprobs=True, top_logprobs=2)
     assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
     (choice,) = theirs["choices"]
-    clear, whole = _clear_prefix(choice["logprobs"]["content"])
     text = ours["choices"][0]["message"]["content"]
-    assert text.encode().startswith(clear), (text, clear.decode("utf-8", "replace"))
-    if whole:  # no close call at all: the whole reply, its length and its stop agree
-        assert text == choice["message"]["content"]
-        assert ours["choices"][0]["finish_reason"] == choice["finish_reason"]
-        assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
+    agreed, margin = _parting(text.encode(), choice["logprobs"]["content"])
+    if margin is not None:  # parted: only where llama-server itself hesitated
+        assert margin < CLEAR_MARGIN, (agreed, margin, text, choice["message"]["content"])
+        return
+    assert text == choice["message"]["content"]
+    assert ours["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
