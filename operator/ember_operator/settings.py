@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 FIELD_MANAGER = "ember-operator"
 MANAGED_BY = "ember-operator"
@@ -18,7 +19,8 @@ class OperatorSettings(BaseSettings):
         default="ghcr.io/ember-dev/ember-runtime:0.1.0", description="Default runtime image."
     )
     image_pull_policy: str = "IfNotPresent"
-    namespaces: list[str] = Field(
+    # Lists come from the environment as `a,b` (what the README and the chart write), not JSON.
+    namespaces: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Namespaces to watch; empty: the whole cluster."
     )
     metrics_port: int = Field(default=9090, ge=0, le=65535)
@@ -40,7 +42,7 @@ class OperatorSettings(BaseSettings):
         default=192, ge=0, description="Python + engine resident memory besides the model."
     )
     memory_headroom: float = Field(default=1.10, ge=1.0, description="Multiplier on the total.")
-    model_roots: list[Path] = Field(
+    model_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="Local directories where the operator may find model files to read GGUF "
         "headers from (hostPath sources are also tried as-is).",
@@ -59,6 +61,13 @@ class OperatorSettings(BaseSettings):
         "on test fleets): mounted read-only at `host_sys_mount` in the runtime container.",
     )
     host_sys_mount: str = "/host-sys"
+
+    @field_validator("namespaces", "model_roots", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
 
 
 def load_settings() -> OperatorSettings:
