@@ -98,6 +98,43 @@ def clear_leftovers(kube: Kube) -> None:
     the operator under test) and an InferenceDeployment whose replica holds a CPU of the real
     node (the e2e's replica could not be scheduled). Both are removed; the README says so.
     """
+    kubectl = kube.cluster.kubectl
+    objs = kubectl("get", "infd", "-A", "-o", "name", check=False).split()
+    if objs:
+        print(f"deleting InferenceDeployments left on the cluster: {' '.join(objs)}")
+        kubectl("delete", "infd", "--all", "-A", "--wait=false")
+    _uninstall_ember_releases(kube)
+    # An operator that is gone (uninstalled above, or a killed test run) cannot lift the
+    # finalizer Kopf put on its objects; nothing of theirs lives outside the cluster (children
+    # go by garbage collection), so lifting it here loses nothing.
+    stuck = json.loads(kubectl("get", "infd", "-A", "-o", "json", check=False) or "{}")
+    for obj in stuck.get("items", []):
+        meta = obj["metadata"]
+        patch = '{"metadata":{"finalizers":null}}'
+        kubectl(
+            "patch",
+            "infd",
+            meta["name"],
+            "-n",
+            meta["namespace"],
+            "--type=merge",
+            "-p",
+            patch,
+            check=False,
+        )
+    # Their pods go by garbage collection; wait until the node's CPUs are free again.
+    deadline = time.monotonic() + 180
+    selector = "app.kubernetes.io/managed-by=ember-operator"
+    while (
+        kubectl("get", "infd", "-A", "-o", "name", check=False).strip()
+        or kubectl("get", "pods", "-A", "-l", selector, "-o", "name", check=False).strip()
+    ):
+        if time.monotonic() > deadline:
+            raise RuntimeError("leftover InferenceDeployments or their pods stayed for 180 s")
+        time.sleep(1)
+
+
+def _uninstall_ember_releases(kube: Kube) -> None:
     helm = [str(bin_dir() / "helm"), f"--kubeconfig={kube.kubeconfig}"]
     listed = subprocess.run([*helm, "list", "-A", "-o", "json"], capture_output=True, check=False)
     for release in json.loads(listed.stdout or "[]") if listed.returncode == 0 else []:
@@ -106,19 +143,6 @@ def clear_leftovers(kube: Kube) -> None:
             print(f"removing Helm release {ns}/{name} left running")
             uninstall = [*helm, "uninstall", name, "-n", ns, "--wait", "--timeout", "180s"]
             subprocess.run(uninstall, check=True, capture_output=True)
-    objs = kube.cluster.kubectl("get", "infd", "-A", "-o", "name", check=False).split()
-    if objs:
-        print(f"deleting InferenceDeployments left on the cluster: {' '.join(objs)}")
-        kube.cluster.kubectl("delete", "infd", "--all", "-A", "--wait", timeout=180)
-    # Their pods go by garbage collection; wait until the node's CPUs are free again.
-    deadline = time.monotonic() + 180
-    selector = "app.kubernetes.io/managed-by=ember-operator"
-    while kube.cluster.kubectl(
-        "get", "pods", "-A", "-l", selector, "-o", "name", check=False
-    ).strip():
-        if time.monotonic() > deadline:
-            raise RuntimeError("pods of deleted InferenceDeployments did not go away in 180 s")
-        time.sleep(1)
 
 
 @pytest.fixture(scope="session")
