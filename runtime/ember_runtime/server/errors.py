@@ -97,6 +97,13 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         if part != "body" and str(part) not in _TYPE_TAGS and "[" not in str(part)
     ]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":  # never ignored silently (see schemas.py)
+        return APIError(
+            400,
+            f"{param} is not a parameter this server supports",
+            param=param,
+            code="unsupported_parameter",
+        )
     where = f"{param}: " if param else ""
     code = "missing" if first.get("type") == "missing" else "invalid_value"
     return APIError(400, f"{where}{first.get('msg', 'invalid value')}", param=param, code=code)
