@@ -8,6 +8,7 @@ from typing import Any
 from ember_operator import quantity, sizing
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
+from ember_runtime import memory
 
 from tests.operator.specs import manifest
 
@@ -31,10 +32,13 @@ def test_reads_the_gemma_header(gemma_gguf: Path) -> None:
     assert shape.context >= 32_768
 
 
-def test_compute_buffer_matches_the_measured_514_mib(gemma_gguf: Path) -> None:
+def test_compute_buffer_follows_the_engine_batch(gemma_gguf: Path) -> None:
     shape = sizing.read_gguf_shape(gemma_gguf)
-    buffer = sizing.compute_buffer_bytes(shape, context=2048, ubatch=512)
-    assert 500 * MIB <= buffer <= 540 * MIB, buffer / MIB
+    # 16 sequences x 2048 tokens: a 272-row micro-batch (256 prompt tokens + 16 decodes);
+    # logits of the 262k vocabulary for every row dominate.
+    need = memory.engine_memory(shape, context=2048, sequences=16)
+    assert need.compute_buffer == 262_144 * 272 * 4 + 640 * 272 * 4 * 4
+    assert need.kv_cache == 18 * 2048 * 16 * 1 * (256 + 256) * 2  # 576 MiB
 
 
 def test_memory_covers_tmpfs_weights_kv_and_compute(gemma_gguf: Path) -> None:
@@ -44,7 +48,8 @@ def test_memory_covers_tmpfs_weights_kv_and_compute(gemma_gguf: Path) -> None:
     assert shape is not None, "the hostPath file should be found and read"
     sized = sizing.compute(spec, settings, shape)
     assert sized.source == "gguf-header"
-    assert sized.kv_cache_bytes == 18 * 4096 * 1 * (256 + 256) * 2
+    # one KV stream of contextLength cells for each of maxBatchSize (16) sequences
+    assert sized.kv_cache_bytes == 18 * 4096 * 16 * 1 * (256 + 256) * 2
     assert sized.shared_memory_bytes >= gemma_gguf.stat().st_size
     floor = sized.shared_memory_bytes + sized.kv_cache_bytes + sized.compute_buffer_bytes
     assert sized.memory_bytes >= floor + settings.runtime_overhead_mib * MIB
@@ -59,15 +64,15 @@ def test_without_prewarm_the_page_cache_is_counted_instead(gemma_gguf: Path) -> 
     assert sized.memory_bytes >= gemma_gguf.stat().st_size + sized.compute_buffer_bytes
 
 
-def test_bigger_batch_means_bigger_buffer(gemma_gguf: Path) -> None:
+def test_bigger_batch_means_more_memory(gemma_gguf: Path) -> None:
     settings = OperatorSettings()
-    small = parse_spec(_spec_for(gemma_gguf, engine={"args": {"n_batch": "128"}}))
-    large = parse_spec(_spec_for(gemma_gguf, engine={"args": {"n_batch": "1024"}}))
+    small = parse_spec(_spec_for(gemma_gguf, engine={"maxBatchSize": 4, "minBatchSize": 1}))
+    large = parse_spec(_spec_for(gemma_gguf, engine={"maxBatchSize": 32}))
     shape = sizing.read_gguf_shape(gemma_gguf)
-    assert (
-        sizing.compute(small, settings, shape).memory_bytes
-        < sizing.compute(large, settings, shape).memory_bytes
-    )
+    sized_small = sizing.compute(small, settings, shape)
+    sized_large = sizing.compute(large, settings, shape)
+    assert sized_large.kv_cache_bytes == 8 * sized_small.kv_cache_bytes
+    assert sized_small.memory_bytes < sized_large.memory_bytes
 
 
 def test_missing_header_falls_back_to_a_stated_estimate(tmp_path: Path) -> None:
