@@ -23,7 +23,7 @@ def _spec_for(path: Path, **overrides: Any) -> dict[str, Any]:
 
 
 def test_reads_the_gemma_header(gemma_gguf: Path) -> None:
-    shape = sizing.read_gguf_shape(gemma_gguf)
+    shape = memory.read_gguf_shape(gemma_gguf)
     # Gemma 3 270M: 18 blocks, 640-wide, 4 query heads sharing 1 KV head of 256, 262k vocab.
     assert shape.architecture == "gemma3"
     assert (shape.layers, shape.embedding, shape.heads, shape.kv_heads) == (18, 640, 4, 1)
@@ -33,7 +33,7 @@ def test_reads_the_gemma_header(gemma_gguf: Path) -> None:
 
 
 def test_compute_buffer_follows_the_engine_batch(gemma_gguf: Path) -> None:
-    shape = sizing.read_gguf_shape(gemma_gguf)
+    shape = memory.read_gguf_shape(gemma_gguf)
     # 16 sequences x 2048 tokens: a 272-row micro-batch (256 prompt tokens + 16 decodes);
     # logits of the 262k vocabulary for every row dominate.
     need = memory.engine_memory(shape, context=2048, sequences=16)
@@ -68,7 +68,7 @@ def test_bigger_batch_means_more_memory(gemma_gguf: Path) -> None:
     settings = OperatorSettings()
     small = parse_spec(_spec_for(gemma_gguf, engine={"maxBatchSize": 4, "minBatchSize": 1}))
     large = parse_spec(_spec_for(gemma_gguf, engine={"maxBatchSize": 32}))
-    shape = sizing.read_gguf_shape(gemma_gguf)
+    shape = memory.read_gguf_shape(gemma_gguf)
     sized_small = sizing.compute(small, settings, shape)
     sized_large = sizing.compute(large, settings, shape)
     assert sized_large.kv_cache_bytes == 8 * sized_small.kv_cache_bytes
