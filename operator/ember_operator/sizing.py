@@ -24,7 +24,13 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from ember_runtime.memory import GGUFShape, engine_memory, kv_cells, read_gguf_shape
+from ember_runtime.memory import (
+    GGUFShape,
+    engine_memory,
+    kv_cells,
+    read_gguf_shape,
+    unified_kv,
+)
 
 from ember_operator import quantity
 from ember_operator.api.models import InferenceDeploymentSpec, ModelFormat
@@ -116,7 +122,13 @@ def compute(
     overhead = settings.runtime_overhead_mib * quantity.MIB
     sequences = spec.engine.max_batch_size
     if shape is not None:  # the engine's own rule: the runtime checks the same at start
-        need = engine_memory(shape, context=context, sequences=sequences, overhead=overhead)
+        need = engine_memory(
+            shape,
+            context=context,
+            sequences=sequences,
+            overhead=overhead,
+            unified=unified_kv(spec.engine.deterministic),
+        )
         kv, buf = need.kv_cache, need.compute_buffer
     else:
         kv, buf = _estimate(total, kv_cells(context, sequences))

@@ -17,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from ember_runtime.memory import unified_kv
+
 log = logging.getLogger(__name__)
 DEFAULT_CONFIG_PATH = Path("/etc/ember/config.yaml")
 CONFIG_ENV = "EMBER_CONFIG"
@@ -50,6 +52,11 @@ class EngineSettings(_Wire):
         le=4096,
         description="Prompt tokens per scheduling step beside the decodes (engines/scheduler).",
     )
+    kv_unified: bool | None = Field(
+        default=None,
+        description="One KV pool for all sequences (None: the mode's default; never when "
+        "deterministic).",
+    )
     args: dict[str, str] = Field(default_factory=dict)
 
     def llamacpp_modes(self) -> LlamaCppModes:
@@ -67,6 +74,7 @@ class EngineSettings(_Wire):
             deterministic=deterministic,
             prefix_cache=_legacy_flag(self.args, "prefixCache", "engine.deterministic"),
             repack=_legacy_flag(self.args, "repack", "engine.deterministic"),
+            kv_unified=unified_kv(deterministic, self.kv_unified),
         )
 
 
@@ -75,6 +83,7 @@ class LlamaCppModes:
     deterministic: bool
     prefix_cache: bool | None  # None: what the mode implies (on unless deterministic)
     repack: bool | None
+    kv_unified: bool
 
 
 def _legacy_flag(args: dict[str, str], key: str, replacement: str) -> bool | None:

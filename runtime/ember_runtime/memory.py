@@ -32,6 +32,15 @@ F32_BYTES = 4
 MIB = 1 << 20
 RUNTIME_OVERHEAD_BYTES = 192 * MIB  # measured RSS of the idle server besides the model
 DEFAULT_STEP_TOKENS = 256
+# Fast mode keeps all sequences in one KV pool (llama-server's -kvu); deterministic mode never.
+UNIFIED_BY_DEFAULT = False
+
+
+def unified_kv(deterministic: bool, setting: bool | None = None) -> bool:
+    """The KV layout the engine uses: one pool, or one stream per sequence."""
+    if deterministic:
+        return False
+    return UNIFIED_BY_DEFAULT if setting is None else setting
 
 
 @dataclass(frozen=True)
@@ -109,13 +118,13 @@ def kv_cache_bytes(shape: GGUFShape, cells: int) -> int:
     )
 
 
-def compute_buffer_bytes(shape: GGUFShape, context: int, ubatch: int) -> int:
-    """Logits (vocab x micro-batch, f32) or attention scores over one sequence's context,
+def compute_buffer_bytes(shape: GGUFShape, attended: int, ubatch: int) -> int:
+    """Logits (vocab x micro-batch, f32) or attention scores over the `attended` KV cells,
     whichever is larger, plus activations. llama.cpp reserves the graph for a micro-batch whose
     every row is an output, whatever `n_outputs_max` says: Gemma 3 270M's 262k vocabulary made
     this ~514 MiB at a 512-row micro-batch (measured), twice its weights."""
     logits = shape.vocab * ubatch * F32_BYTES
-    scores = shape.heads * context * ubatch * F32_BYTES
+    scores = shape.heads * attended * ubatch * F32_BYTES
     activations = shape.embedding * ubatch * F32_BYTES * 4
     return max(logits, scores) + activations
 
@@ -138,11 +147,18 @@ def engine_memory(
     sequences: int,
     step_tokens: int = DEFAULT_STEP_TOKENS,
     overhead: int = RUNTIME_OVERHEAD_BYTES,
+    unified: bool = False,
 ) -> EngineMemory:
-    """What the llama.cpp engine allocates besides the weights (see the module docstring)."""
+    """What the llama.cpp engine allocates besides the weights (see the module docstring).
+
+    `unified`: one KV pool for all sequences (the same cells in total), whose attention spans
+    the whole pool rather than one sequence's stream."""
+    cells = kv_cells(context, sequences)
     return EngineMemory(
-        kv_cache=kv_cache_bytes(shape, kv_cells(context, sequences)),
-        compute_buffer=compute_buffer_bytes(shape, context, batch_tokens(step_tokens, sequences)),
+        kv_cache=kv_cache_bytes(shape, cells),
+        compute_buffer=compute_buffer_bytes(
+            shape, cells if unified else context, batch_tokens(step_tokens, sequences)
+        ),
         overhead=overhead,
     )
 
@@ -186,11 +202,13 @@ def preflight(config: RuntimeConfig, model: Path, cgroup_root: Path) -> EngineMe
     """
     if config.engine.kind != "llamacpp" or model.suffix != ".gguf":
         return None
+    modes = config.engine.llamacpp_modes()
     need = engine_memory(
         read_gguf_shape(model),
         context=config.engine.context_length,
         sequences=config.engine.max_batch_size,
         step_tokens=config.engine.step_tokens,
+        unified=modes.kv_unified,
     )
     prewarmed = config.prewarm_dir is not None and model.is_relative_to(config.prewarm_dir)
     check_limit(need, 0 if prewarmed else model.stat().st_size, cgroup_memory_limit(cgroup_root))

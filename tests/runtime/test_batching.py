@@ -93,3 +93,35 @@ async def test_fast_batching_serves_the_same_requests(model_path: Path) -> None:
         again = await asyncio.gather(*(greedy(engine, p) for p in PROMPTS))
     assert all(text.strip() for text in together)
     assert len(again) == len(together)
+
+
+async def test_unified_pool_shares_a_running_prompt(model_path: Path) -> None:
+    # One KV pool (kv_unified): a request whose prompt starts like a running one's takes those
+    # cells (a seq_id tag, no copy) instead of recomputing them.
+    seen: list[int] = []
+    engine = LlamaCppEngine(
+        model_path,
+        context_length=256,
+        capacity=4,
+        threads=1,
+        max_queue=8,
+        kv_unified=True,
+        observer=lambda stats: seen.append(stats.prompt_tokens),
+    )
+    await engine.start()
+    try:
+        head, tail = PROMPTS[5], " The first sentence is"
+        shared = len(engine.tokenize(head, add_special=True))
+        total = len(engine.tokenize(head + tail, add_special=True))
+        tokens = engine.tokenize(head, add_special=True)
+        first = engine.submit(tokens, SamplingParams(max_tokens=200))  # runs throughout
+        while engine.state().steps < 2:  # its prompt is in, it decodes
+            await asyncio.sleep(0.005)
+        second = await greedy(engine, head + tail)
+        assert engine.state().active == 1, "the first request should still be running"
+        first.cancel()
+        assert second.strip()
+        assert total > shared + 3
+        assert sum(seen) == total  # the head once, then only the tail: not shared + total
+    finally:
+        await engine.stop()

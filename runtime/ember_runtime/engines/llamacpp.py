@@ -185,6 +185,7 @@ class LlamaCppEngine:
         deterministic: bool = False,
         prefix_cache: bool | None = None,
         repack: bool | None = None,
+        kv_unified: bool = False,
         observer: StepObserver | None = None,
     ) -> None:
         if not 1 <= capacity <= 256:
@@ -214,6 +215,10 @@ class LlamaCppEngine:
         self._prefix_cache = (not deterministic) if prefix_cache is None else prefix_cache
         self._repack = (not deterministic) if repack is None else repack
         self._deterministic = deterministic
+        # One KV pool for all sequences (llama-server's -kvu): a batch is one micro-batch
+        # whatever its mix of sequences; per-sequence streams need equal-length splits.
+        # Never in deterministic mode: attention would span other sequences' (masked) cells.
+        self._unified = kv_unified and not deterministic
         self._policy = Policy(deterministic=deterministic, step_tokens=step_tokens)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -326,7 +331,7 @@ class LlamaCppEngine:
         cparams.n_outputs_max = self._capacity
         cparams.n_threads = self._threads
         cparams.n_threads_batch = self._threads
-        cparams.kv_unified = False
+        cparams.kv_unified = self._unified
         cparams.no_perf = True
         return cparams
 
@@ -555,7 +560,25 @@ class LlamaCppEngine:
             self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
             keep = 0
         self._slot_cache[sid] = []
+        if self._unified and self._prefix_cache:
+            keep = max(keep, self._share_live_prefix(sid, prompt, keep))
         return sid, keep
+
+    def _share_live_prefix(self, sid: int, prompt: list[int], have: int) -> int:
+        """Unified KV only: let `sid` share the computed prompt cells of a running sequence
+        that has a longer common prefix than `have` (one pool: a copy only tags the cells
+        with one more seq_id, no data moves). Returns the tokens now cached, or 0."""
+        donor, shared = None, have
+        for seq in self._running:
+            common = _common_prefix(seq.prompt[: seq.prefilled], prompt)
+            if common > shared:
+                donor, shared = seq, common
+        shared = min(shared, len(prompt) - 1)
+        if donor is None or shared <= have:
+            return 0
+        self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
+        self._ll.llama_memory_seq_cp(self._mem, donor.seq_id, sid, 0, shared)
+        return shared
 
     def _compact(self) -> None:
         """Keep the running sequences on seq_ids 0..n-1.
@@ -567,6 +590,8 @@ class LlamaCppEngine:
         (cells keep their indices and positions, so the numbers do not change) at the start
         of the next decode, a few MB once per finished request.
         """
+        if self._unified:
+            return  # one stream: any seq_ids go in one micro-batch, nothing to move
         n = len(self._running)
         # With the prefix cache, a just-freed seq_id holds a prompt that its client's next
         # request is likely to repeat within a step or two: let it be reused before filling it.

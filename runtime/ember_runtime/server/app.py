@@ -51,6 +51,7 @@ def build_engine(
         deterministic=modes.deterministic,
         prefix_cache=modes.prefix_cache,
         repack=modes.repack,
+        kv_unified=modes.kv_unified,
         observer=observer,
     )
 
