@@ -9,8 +9,9 @@ checks, before it loads anything, that the same figure fits under its container'
   (key + value head size) x 2 bytes (f16). Gemma 3's sliding-window layers are allocated at
   full size too (llama.cpp does so when several sequences share a context: "full-size SWA
   cache" in its log). The prefix cache lives in these same cells, so it adds nothing.
-* Compute buffer: one micro-batch of `batch_tokens` rows (a step's prompt tokens plus a
-  decode row per sequence): logits or attention scores, whichever is larger, plus activations.
+* Output and compute buffers: logits for one row per sequence, and one micro-batch of
+  `batch_tokens` rows (a step's prompt tokens plus a decode row per sequence): attention
+  scores and activations.
 * Weights: mmapped. From the memory-backed prewarm volume they are charged to the pod (tmpfs
   pages written by the init container), not to the runtime container's cgroup; without
   prewarm the page cache of the mapped file is charged to the container that reads it.
@@ -118,15 +119,18 @@ def kv_cache_bytes(shape: GGUFShape, cells: int) -> int:
     )
 
 
-def compute_buffer_bytes(shape: GGUFShape, attended: int, ubatch: int) -> int:
-    """Logits (vocab x micro-batch, f32) or attention scores over the `attended` KV cells,
-    whichever is larger, plus activations. llama.cpp reserves the graph for a micro-batch whose
-    every row is an output, whatever `n_outputs_max` says: Gemma 3 270M's 262k vocabulary made
-    this ~514 MiB at a 512-row micro-batch (measured), twice its weights."""
-    logits = shape.vocab * ubatch * F32_BYTES
-    scores = shape.heads * attended * ubatch * F32_BYTES
-    activations = shape.embedding * ubatch * F32_BYTES * 4
-    return max(logits, scores) + activations
+def compute_buffer_bytes(shape: GGUFShape, attended: int, ubatch: int, outputs: int) -> int:
+    """The output buffer (logits of at most `outputs` rows: the engine sets `n_outputs_max` to
+    one per sequence) plus the graph's compute buffer: those logits again, then per row of
+    the micro-batch the attention scores over the `attended` KV cells and the activations.
+
+    An upper bound of what llama.cpp reports for Gemma 3 270M (measured: 16 + 17.1 MiB at
+    2048 x 16, 4 + 9.5 MiB at 512 x 4; this gives 46 and 15 MiB). Without the output limit
+    llama.cpp would size logits for every row: ~514 MiB at a 512-row micro-batch.
+    """
+    logits = shape.vocab * outputs * F32_BYTES
+    per_row = shape.heads * attended * F32_BYTES + shape.embedding * F32_BYTES * 8
+    return 2 * logits + ubatch * per_row
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,7 @@ def engine_memory(
     return EngineMemory(
         kv_cache=kv_cache_bytes(shape, cells),
         compute_buffer=compute_buffer_bytes(
-            shape, cells if unified else context, batch_tokens(step_tokens, sequences)
+            shape, cells if unified else context, batch_tokens(step_tokens, sequences), sequences
         ),
         overhead=overhead,
     )
