@@ -24,9 +24,14 @@ Two modes (measured on this project's 2-core x86 box with Gemma 3 270M Q4_K_M;
   an extra pass over the weights per step from the (exact_rows + 1)th sequence on, one prompt
   chunk per step, no prompt reuse.
 
-Common to both: llama.cpp splits a batch into ubatches of consecutive seq_ids, each a full pass
-over the weights, so running sequences are kept on seq_ids 0..n-1 (`_compact`); this changes
-no numbers. Not covered: a single sequence past 256 tokens of context alone may take
+Common to both: with one KV stream per sequence llama.cpp splits a batch into ubatches of
+consecutive seq_ids taking the same number of tokens from each (`split_equal`), each a full
+pass over the weights, so running sequences are kept on seq_ids 0..n-1 (`_compact`; this
+changes no numbers), and a step that mixes decode rows with prompt chunks costs an extra pass
+or two. `kv_unified` (runtime config `engine.kvUnified`, fast mode only, off by default until
+the full benchmark decides) puts every sequence in one pool, as llama-server's `-kvu`: any step
+is one ubatch and a new request shares a running one's prompt cells (`_share_live_prefix`).
+Not covered: a single sequence past 256 tokens of context alone may take
 llama.cpp's split-KV attention path, which a batched one does not (not measured).
 
 The prefix cache: a finished request's prompt stays in its seq_id's KV cells, and a new request
