@@ -339,19 +339,18 @@ print(best)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def ember_config(model: Path, *, deterministic: bool) -> Path:
-    """A RuntimeConfig file (the CLI has no flag for engine.deterministic)."""
-    name = "deterministic" if deterministic else "default"
+def ember_config(model: Path, engine: dict[str, bool]) -> Path:
+    """A RuntimeConfig file (the CLI has no flags for these engine settings)."""
+    name = "-".join(k for k, v in engine.items() if v) or "default"
     path = RESULTS / f"ember-bench-config-{name}.yaml"
-    engine = {"deterministic": deterministic}
     config = {"modelName": model.stem, "modelDir": str(model.parent), "engine": engine}
     path.write_text(json.dumps(config))  # JSON is YAML
     return path
 
 
-def ember(name: str, model: Path, threads: int, *, deterministic: bool) -> Server:
+def ember(name: str, model: Path, threads: int, **engine: bool) -> Server:
     port = free_port()
-    config = ember_config(model, deterministic=deterministic)
+    config = ember_config(model, engine)
     argv = [sys.executable, "-m", "ember_runtime.server", "--config", str(config)]
     argv += ["--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--threads", str(threads), "--max-batch-size", str(SLOTS)]
@@ -388,7 +387,9 @@ def llama_cpp_server(model: Path, threads: int) -> Server:
 
 def servers(model: Path, threads: int, which: list[str]) -> list[Server]:
     makers = {
-        "ember": lambda: ember("ember", model, threads, deterministic=False),
+        "ember": lambda: ember("ember", model, threads),
+        # Not in the default set: the candidate KV layout for the default (engines/llamacpp).
+        "ember-unified": lambda: ember("ember (unified KV)", model, threads, kvUnified=True),
         "ember-deterministic": lambda: ember(
             "ember (deterministic)", model, threads, deterministic=True
         ),
