@@ -1,13 +1,24 @@
 """Ember's runtime vs llama.cpp's `llama-server` vs `python -m llama_cpp.server`, same run.
 
-Same model (Gemma 3 270M Q4_K_M), same thread count, same per-sequence context, same prompts.
-Each server runs alone (one after the other) so they never compete for the cores. Load: N
-concurrent streaming clients (httpx + SSE), ~64-token prompts, max_tokens 64, greedy, a bounded
-number of requests per client. Reported per server and concurrency: aggregate output tok/s,
-TTFT p50/p99, inter-token latency p50/p99; plus raw single-stream `llama_decode` speed (no
-server) as the ceiling for one stream.
+Same model (Gemma 3 270M Q4_K_M), same threads (2), same greedy sampling, same per-sequence
+context (512 tokens). Servers run one after another, never side by side: Ember (default, fast
+batching), Ember (`engine.deterministic: true`), `llama-server -np 16` with its context, prompt
+cache and KV layout pinned (`-c 8192 -kvu --cache-ram 256`: a unified 8192-cell pool, i.e. 512
+per slot, and its RAM prompt cache on, as it ships), and `python -m llama_cpp.server`.
 
-    .venv/bin/python bench/runtime_bench.py [--threads 1] [--clients 1,4,8] [--requests 3]
+The load generator (one asyncio process, httpx + SSE, no per-token parsing beyond json.loads)
+shares the cores with the server under test and is the same for every server. Levels of 1, 4,
+8 and 16 concurrent streaming clients; at least 48 requests per level. Two workloads:
+
+* (a) `distinct`: completions of distinct ~64-token prompts (no shared prefix), 64 tokens out;
+* (b) `shared-chat`: chat completions with one shared ~300-token system prompt and short user
+  turns, 32 tokens out (what a prefix cache is for).
+
+Reported per server, workload and level: output tok/s, TTFT p50/p99, ITL p50/p99, errors; per
+server the peak RSS (VmHWM of the server process); raw single-stream `llama_decode` speed (no
+server) as the ceiling for one stream; a PNG with the curves.
+
+    .venv/bin/python bench/runtime_bench.py [--threads 2] [--clients 1,4,8,16] [--requests 48]
 
 Writes `bench/results/runtime_bench.{md,json,png}`.
 """
@@ -34,6 +45,8 @@ from bench.llama_server_build import ensure_llama_server
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CTX_PER_SEQ = 512
+SLOTS = 16  # Ember maxBatchSize = llama-server -np
+LLAMA_SERVER_CACHE_RAM_MIB = 256
 _TOPICS = [
     "a lighthouse keeper who finds a message in a bottle",
     "a robot learning to paint landscapes in the mountains",
@@ -44,14 +57,66 @@ _TOPICS = [
     "a musician crossing the desert with a broken violin",
     "a cartographer mapping an island that keeps changing",
 ]
+_STYLES = [
+    "Use simple words and short sentences.",
+    "Write it for children, in a warm voice.",
+    "Make it funny, with a surprising ending.",
+    "Tell it in the first person, as a diary.",
+    "Keep a calm, slow pace, full of details.",
+    "Write it as an old legend told by a fire.",
+]
+# Workload (a): 48 distinct prompts of ~64 tokens; each starts with its own topic, so no two
+# share a prefix worth reusing.
 PROMPTS = [
     (
-        f"Write a long, detailed story about {topic}. Describe the setting, the weather, the "
-        "sounds and the smells, introduce every character with care, and do not stop early. "
-        "Use simple words and short sentences. The story begins like this: It was"
+        f"{topic.capitalize()}: that is the subject of a long, detailed story. {style} Describe "
+        "the setting, the weather, the sounds and the smells, introduce every character with "
+        "care, and do not stop early. The story begins like this: It was"
     )
+    for style in _STYLES
     for topic in _TOPICS
 ]
+# Workload (b): one ~300-token system prompt shared by every request, short user turns.
+SYSTEM = (
+    "You are the assistant of a small maintenance team that looks after a fleet of edge "
+    "devices in remote sites: weather stations, water pumps, solar inverters and cameras. "
+    "Always answer in plain English, in at most three short sentences, without markdown. "
+    "When a device is mentioned, first say which site it belongs to if you know it, then "
+    "what the most likely cause of the problem is, then the single next step a technician "
+    "should take. Never invent serial numbers, prices or dates. If the question is not about "
+    "the fleet, say politely that you only help with the fleet. The sites are: North Ridge "
+    "(three weather stations, one camera, a solar inverter), Lake Farm (two water pumps, a "
+    "solar inverter, four soil sensors), Old Mill (a camera, a gateway and a battery bank), "
+    "Harbour (two cameras, a tide gauge, a gateway) and Quarry Road (a weather station, a "
+    "water pump and a gateway). Gateways forward data every five minutes over LTE; a gateway "
+    "that misses three reports in a row is considered offline. Batteries should stay between "
+    "twenty and ninety percent; pumps report their flow every minute; cameras upload a frame "
+    "every ten minutes. Firmware updates happen on Tuesdays at night and may restart a "
+    "device. Technicians visit North Ridge and Lake Farm on Mondays, the others on Thursdays. "
+    "Escalate to the on-call engineer only when a whole site is offline for more than an hour."
+)
+QUESTIONS = [
+    f"The {device} at {site} {problem}. What should we do?"
+    for device, site in [
+        ("gateway", "Old Mill"),
+        ("water pump", "Lake Farm"),
+        ("camera", "Harbour"),
+        ("weather station", "North Ridge"),
+        ("solar inverter", "Lake Farm"),
+        ("tide gauge", "Harbour"),
+        ("battery bank", "Old Mill"),
+        ("water pump", "Quarry Road"),
+    ]
+    for problem in [
+        "stopped reporting",
+        "reports strange values",
+        "restarted twice today",
+        "is slow",
+        "shows an error light",
+        "lost its connection",
+    ]
+]
+WORKLOADS = {"distinct": 64, "shared-chat": 32}  # workload -> max_tokens
 
 
 @dataclass
@@ -64,6 +129,7 @@ class RequestStats:
 @dataclass
 class LevelResult:
     server: str
+    workload: str
     clients: int
     requests: int
     tokens: int
@@ -74,6 +140,7 @@ class LevelResult:
     itl_p50: float
     itl_p99: float
     errors: int = 0
+    first_error: str = ""  # what the first failed request said, to tell a server's fault apart
 
 
 @dataclass
@@ -83,6 +150,7 @@ class Server:
     port: int
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    peak_rss_bytes: int = 0
 
     @property
     def base(self) -> str:
@@ -110,9 +178,19 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} did not become ready")
 
+    def peak_rss(self) -> int:
+        """VmHWM: the most resident memory the server process has held since it started."""
+        if self.proc is None:
+            return 0
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
     def stop(self) -> None:
         if self.proc is None:
             return
+        self.peak_rss_bytes = self.peak_rss()
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=30)
@@ -137,21 +215,41 @@ def pct(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestStats:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+def request_body(workload: str, index: int, max_tokens: int) -> tuple[str, dict[str, object]]:
+    """(path, body) of request `index` of a workload: greedy, streaming, the same everywhere."""
+    common = {"max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if workload == "distinct":
+        return "/v1/completions", {"prompt": PROMPTS[index % len(PROMPTS)], **common}
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": QUESTIONS[index % len(QUESTIONS)]},
+    ]
+    return "/v1/chat/completions", {"messages": messages, **common}
+
+
+def chunk_text(chunk: dict[str, object]) -> str:
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return ""
+    choice = choices[0]
+    text = choice.get("text") or (choice.get("delta") or {}).get("content")
+    return text if isinstance(text, str) else ""
+
+
+async def one_request(
+    client: httpx.AsyncClient, path: str, body: dict[str, object]
+) -> RequestStats:
     began = time.perf_counter()
     last: float | None = None
     ttft = 0.0
     gaps: list[float] = []
     tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    async with client.stream("POST", path, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            choices = chunk.get("choices") or []
-            if not choices or not choices[0].get("text"):
+            if not chunk_text(json.loads(line[6:])):
                 continue
             now = time.perf_counter()
             if last is None:
@@ -163,20 +261,22 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     return RequestStats(ttft, gaps, tokens)
 
 
-async def run_level(server: Server, clients: int, per_client: int, max_tokens: int) -> LevelResult:
+async def run_level(server: Server, workload: str, clients: int, requests: int) -> LevelResult:
+    """`requests` requests (rounded up to a multiple of `clients`), `clients` at a time."""
     stats: list[RequestStats] = []
-    errors = 0
+    failures: list[str] = []
+    per_client = -(-requests // clients)
+    max_tokens = WORKLOADS[workload]
     limits = httpx.Limits(max_connections=clients + 2)
     async with httpx.AsyncClient(base_url=server.base, timeout=600, limits=limits) as client:
 
         async def worker(index: int) -> None:
-            nonlocal errors
             for i in range(per_client):
-                prompt = PROMPTS[(index + i * clients) % len(PROMPTS)]
+                path, body = request_body(workload, index + i * clients, max_tokens)
                 try:
-                    stats.append(await one_request(client, prompt, max_tokens))
-                except httpx.HTTPError:
-                    errors += 1
+                    stats.append(await one_request(client, path, body))
+                except httpx.HTTPError as exc:
+                    failures.append(f"{type(exc).__name__}: {exc}"[:200])
 
         began = time.perf_counter()
         await asyncio.gather(*(worker(i) for i in range(clients)))
@@ -186,6 +286,7 @@ async def run_level(server: Server, clients: int, per_client: int, max_tokens: i
     gaps = [g for s in stats for g in s.gaps]
     return LevelResult(
         server=server.name,
+        workload=workload,
         clients=clients,
         requests=len(stats),
         tokens=tokens,
@@ -195,7 +296,8 @@ async def run_level(server: Server, clients: int, per_client: int, max_tokens: i
         ttft_p99=pct(ttfts, 0.99),
         itl_p50=pct(gaps, 0.5),
         itl_p99=pct(gaps, 0.99),
-        errors=errors,
+        errors=len(failures),
+        first_error=failures[0] if failures else "",
     )
 
 
@@ -237,147 +339,127 @@ print(best)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def ember_config(model: Path, engine_args: dict[str, str]) -> Path:
-    """A RuntimeConfig file carrying `engine.args` (the CLI has no flag for them)."""
-    path = RESULTS / "ember-bench-config.yaml"
-    engine = {"args": engine_args}
+def ember_config(model: Path, engine: dict[str, bool]) -> Path:
+    """A RuntimeConfig file (the CLI has no flags for these engine settings)."""
+    name = "-".join(k for k, v in engine.items() if v) or "default"
+    path = RESULTS / f"ember-bench-config-{name}.yaml"
     config = {"modelName": model.stem, "modelDir": str(model.parent), "engine": engine}
     path.write_text(json.dumps(config))  # JSON is YAML
     return path
 
 
-def servers(
-    model: Path, threads: int, batch: int, which: list[str], engine_args: dict[str, str]
-) -> list[Server]:
-    made: list[Server] = []
+def ember(name: str, model: Path, threads: int, **engine: bool) -> Server:
+    port = free_port()
+    config = ember_config(model, engine)
+    argv = [sys.executable, "-m", "ember_runtime.server", "--config", str(config)]
+    argv += ["--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--threads", str(threads), "--max-batch-size", str(SLOTS)]
+    argv += ["--context-length", str(CTX_PER_SEQ), "--max-queue", "256", "--log-level", "warning"]
+    return Server(name, argv, port)
+
+
+def llama_server(model: Path, threads: int) -> Server:
+    port = free_port()
     t = str(threads)
-    if "ember" in which:
-        port = free_port()
-        made.append(
-            Server(
-                "ember",
-                [
-                    sys.executable,
-                    "-m",
-                    "ember_runtime.server",
-                    "--config",
-                    str(ember_config(model, engine_args)),
-                    "--model",
-                    str(model),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--threads",
-                    t,
-                    "--max-batch-size",
-                    str(batch),
-                    "--context-length",
-                    str(CTX_PER_SEQ),
-                    "--max-queue",
-                    "256",
-                    "--log-level",
-                    "warning",
-                ],
-                port,
-            )
-        )
-    if "llama-server" in which:
-        port = free_port()
-        made.append(
-            Server(
-                f"llama-server -np {batch}",
-                [
-                    str(ensure_llama_server()),
-                    "-m",
-                    str(model),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "-t",
-                    t,
-                    "-tb",
-                    t,
-                    "-np",
-                    str(batch),
-                    "-c",
-                    str(CTX_PER_SEQ * batch),
-                    "--log-disable",
-                ],
-                port,
-            )
-        )
-    if "llama_cpp.server" in which:
-        port = free_port()
-        made.append(
-            Server(
-                "llama_cpp.server",
-                [
-                    sys.executable,
-                    "-m",
-                    "llama_cpp.server",
-                    "--model",
-                    str(model),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--n_threads",
-                    t,
-                    "--n_threads_batch",
-                    t,
-                    "--n_ctx",
-                    str(CTX_PER_SEQ),
-                    "--interrupt_requests",
-                    "False",
-                    "--verbose",
-                    "False",
-                ],
-                port,
-            )
-        )
-    return made
+    argv = [
+        str(ensure_llama_server()),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    argv += ["-t", t, "-tb", t, "-np", str(SLOTS), "-c", str(CTX_PER_SEQ * SLOTS), "-kvu"]
+    argv += ["--cache-ram", str(LLAMA_SERVER_CACHE_RAM_MIB), "--log-disable"]
+    return Server(f"llama-server -np {SLOTS}", argv, port)
 
 
-def table(results: list[LevelResult], raw: float | None) -> str:
+def llama_cpp_server(model: Path, threads: int) -> Server:
+    port = free_port()
+    t = str(threads)
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(model)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--n_threads", t]
+    argv += ["--n_threads_batch", t, "--n_ctx", str(CTX_PER_SEQ)]
+    argv += ["--interrupt_requests", "False", "--verbose", "False"]
+    return Server("llama_cpp.server", argv, port)
+
+
+def servers(model: Path, threads: int, which: list[str]) -> list[Server]:
+    makers = {
+        "ember": lambda: ember("ember", model, threads),
+        # Not in the default set: the candidate KV layout for the default (engines/llamacpp).
+        "ember-unified": lambda: ember("ember (unified KV)", model, threads, kvUnified=True),
+        "ember-deterministic": lambda: ember(
+            "ember (deterministic)", model, threads, deterministic=True
+        ),
+        "llama-server": lambda: llama_server(model, threads),
+        "llama_cpp.server": lambda: llama_cpp_server(model, threads),
+    }
+    return [makers[name]() for name in which]
+
+
+def table(results: list[LevelResult], rss: dict[str, int]) -> str:
     lines = [
-        "| server | clients | requests | tokens | tok/s | TTFT p50 (s) | TTFT p99 (s) "
-        "| ITL p50 (ms) | ITL p99 (ms) | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | workload | clients | requests | tokens | tok/s | TTFT p50 (s) "
+        "| TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | errors | peak RSS (MiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r.server} | {r.clients} | {r.requests} | {r.tokens} | {r.tok_s:.1f} "
-            f"| {r.ttft_p50:.3f} | {r.ttft_p99:.3f} | {r.itl_p50 * 1e3:.1f} "
-            f"| {r.itl_p99 * 1e3:.1f} | {r.errors} |"
+            f"| {r.server} | {r.workload} | {r.clients} | {r.requests} | {r.tokens} "
+            f"| {r.tok_s:.1f} | {r.ttft_p50:.3f} | {r.ttft_p99:.3f} | {r.itl_p50 * 1e3:.1f} "
+            f"| {r.itl_p99 * 1e3:.1f} | {r.errors} | {rss.get(r.server, 0) / 2**20:.0f} |"
         )
-    if raw is not None:
-        lines.append(f"\nRaw single-stream llama_decode (no server): {raw:.1f} tok/s")
     return "\n".join(lines)
 
 
-def verdict(results: list[LevelResult], raw: float | None, batch: int) -> list[str]:
-    def get(name: str, clients: int) -> LevelResult | None:
-        return next((r for r in results if r.server == name and r.clients == clients), None)
+def verdict(results: list[LevelResult], raw: float | None) -> list[str]:
+    """Every goal of issue 14 as a ratio, met or not."""
 
+    def get(name: str, workload: str, clients: int) -> LevelResult | None:
+        return next(
+            (
+                r
+                for r in results
+                if r.server == name and r.workload == workload and r.clients == clients
+            ),
+            None,
+        )
+
+    peer_name = f"llama-server -np {SLOTS}"
     notes: list[str] = []
-    top = max(r.clients for r in results)
-    ours, peer = get("ember", top), get(f"llama-server -np {batch}", top)
-    if ours and peer:
+    levels = sorted({r.clients for r in results})
+    for workload in WORKLOADS:
+        for clients in levels:
+            ours, peer = get("ember", workload, clients), get(peer_name, workload, clients)
+            if ours is None or peer is None or not peer.tok_s:
+                continue
+            ratio = ours.tok_s / peer.tok_s
+            ttft = ours.ttft_p99 / peer.ttft_p99 if peer.ttft_p99 else float("nan")
+            goal = " (goal >= 1.1)" if workload == "distinct" and clients >= 8 else ""
+            notes.append(
+                f"{workload}, {clients} clients: tok/s {ratio:.2f}x llama-server{goal}; "
+                f"TTFT p99 {ours.ttft_p99:.3f} vs {peer.ttft_p99:.3f} s = {ttft:.2f}x (goal <= 1)"
+            )
+            if workload == "shared-chat":
+                p50 = ours.ttft_p50 / peer.ttft_p50 if peer.ttft_p50 else float("nan")
+                notes.append(
+                    f"shared-chat, {clients} clients: TTFT p50 {ours.ttft_p50:.3f} vs "
+                    f"{peer.ttft_p50:.3f} s = {p50:.2f}x (goal <= 0.8)"
+                )
+            slow = get("ember (deterministic)", workload, clients)
+            if slow is not None and ours.tok_s:
+                notes.append(
+                    f"{workload}, {clients} clients: deterministic mode costs "
+                    f"{1 - slow.tok_s / ours.tok_s:.0%} of the default's tok/s"
+                )
+    single = get("ember", "distinct", 1)
+    if single and raw and single.itl_p50:
+        decode = 1.0 / single.itl_p50
         notes.append(
-            f"{top} clients: Ember/llama-server tok/s = {ours.tok_s / peer.tok_s:.2f}x, "
-            f"TTFT p99 {ours.ttft_p99:.3f}s vs {peer.ttft_p99:.3f}s"
+            f"1 client: Ember decode {decode:.1f} tok/s = {decode / raw:.2f}x raw (goal >= 0.95)"
         )
-    slow = get("llama_cpp.server", top)
-    if ours and slow:
-        notes.append(
-            f"{top} clients: Ember/llama_cpp.server tok/s = {ours.tok_s / slow.tok_s:.2f}x"
-        )
-    single = get("ember", 1)
-    if single and raw:
-        decode = 1.0 / single.itl_p50 if single.itl_p50 else 0.0
-        notes.append(f"1 client: Ember decode {decode:.1f} tok/s = {decode / raw:.2f}x raw")
     return notes
 
 
@@ -387,76 +469,80 @@ def plot(results: list[LevelResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in dict.fromkeys(r.server for r in results):
-        rows = [r for r in results if r.server == name]
-        xs = [r.clients for r in rows]
-        left.plot(xs, [r.tok_s for r in rows], marker="o", label=name)
-        right.plot(xs, [r.ttft_p99 for r in rows], marker="o", label=name)
-    left.set(xlabel="concurrent streaming clients", ylabel="aggregate output tok/s")
-    right.set(xlabel="concurrent streaming clients", ylabel="TTFT p99 (s)")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("Gemma 3 270M Q4_K_M, 64-token prompts and outputs")
+    metrics = [("tok_s", "output tok/s"), ("ttft_p99", "TTFT p99 (s)"), ("itl_p99", "ITL p99 (s)")]
+    fig, axes = plt.subplots(len(WORKLOADS), len(metrics), figsize=(15, 8), squeeze=False)
+    for row, workload in enumerate(WORKLOADS):
+        for col, (attr, label) in enumerate(metrics):
+            ax = axes[row][col]
+            for name in dict.fromkeys(r.server for r in results):
+                rows = [r for r in results if r.server == name and r.workload == workload]
+                if rows:
+                    xs = [r.clients for r in rows]
+                    ax.plot(xs, [getattr(r, attr) for r in rows], marker="o", label=name)
+            ax.set(xlabel="concurrent streaming clients", ylabel=label, title=workload)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle("Gemma 3 270M Q4_K_M: (a) distinct 64-token prompts, (b) shared system prompt")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--batch", type=int, default=8, help="Ember max batch = llama-server -np")
-    p.add_argument("--clients", default="1,4,8")
-    p.add_argument("--requests", type=int, default=3, help="requests per client per level")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--servers", default="ember,llama-server,llama_cpp.server")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clients", default="1,4,8,16")
+    p.add_argument("--requests", type=int, default=48, help="requests per level (at least)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--servers", default="ember,ember-deterministic,llama-server,llama_cpp.server")
     p.add_argument("--model", type=Path)
-    p.add_argument(
-        "--ember-args",
-        default="",
-        help="Ember engine.args as k=v,k=v (e.g. prefixCache=true,repack=true)",
-    )
     p.add_argument("--name", default="runtime_bench", help="results file stem")
     args = p.parse_args()
-    engine_args = dict(kv.split("=", 1) for kv in args.ember_args.split(",") if kv)
 
     from ember_runtime.models import default_model_path
 
     model = args.model or default_model_path()
     levels = [int(c) for c in args.clients.split(",")]
+    workloads = args.workloads.split(",")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    raw = raw_decode_speed(model, args.threads, args.max_tokens, repack=True)
-    raw_plain = raw_decode_speed(model, args.threads, args.max_tokens, repack=False)
+    raw = raw_decode_speed(model, args.threads, WORKLOADS["distinct"], repack=True)
+    raw_plain = raw_decode_speed(model, args.threads, WORKLOADS["distinct"], repack=False)
     print(f"raw single-stream decode: {raw:.1f} tok/s ({raw_plain:.1f} without repack)")
     results: list[LevelResult] = []
-    for server in servers(model, args.threads, args.batch, args.servers.split(","), engine_args):
+    rss: dict[str, int] = {}
+    for server in servers(model, args.threads, args.servers.split(",")):
         server.start(RESULTS)
         try:
-            for clients in levels:
-                result = asyncio.run(run_level(server, clients, args.requests, args.max_tokens))
-                print(json.dumps(asdict(result)), flush=True)
-                results.append(result)
+            for workload in workloads:
+                for clients in levels:
+                    result = asyncio.run(run_level(server, workload, clients, args.requests))
+                    print(json.dumps(asdict(result)), flush=True)
+                    results.append(result)
         finally:
             server.stop()
+            rss[server.name] = server.peak_rss_bytes
     command = "python bench/runtime_bench.py " + " ".join(sys.argv[1:])
     report = "\n".join(
         [
-            f"`{command}` (threads {args.threads}, Ember engine.args {engine_args or 'defaults'})",
+            f"`{command}` (threads {args.threads}, {os.cpu_count()} CPUs, context "
+            f"{CTX_PER_SEQ} per sequence, {SLOTS} slots; llama-server "
+            f"`-np {SLOTS} -c {CTX_PER_SEQ * SLOTS} -kvu "
+            f"--cache-ram {LLAMA_SERVER_CACHE_RAM_MIB}`)",
             "",
-            table(results, raw),
-            f"Raw single-stream llama_decode without weight repack: {raw_plain:.1f} tok/s",
+            table(results, rss),
             "",
-            *(f"- {n}" for n in verdict(results, raw, args.batch)),
+            f"Raw single-stream llama_decode (no server): {raw:.1f} tok/s with repacked "
+            f"weights, {raw_plain:.1f} without",
+            "",
+            *(f"- {n}" for n in verdict(results, raw)),
         ]
     )
     print(report)
     (RESULTS / f"{args.name}.md").write_text(report + "\n")
     summary = {
         "command": command,
-        "ember_engine_args": engine_args,
         "raw_decode_tok_s": raw,
         "raw_decode_no_repack_tok_s": raw_plain,
+        "peak_rss_bytes": rss,
         "results": [asdict(r) for r in results],
     }
     (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=2))

@@ -129,6 +129,7 @@ def runtime_config(
             max_batch_size=spec.engine.max_batch_size,
             min_batch_size=spec.engine.min_batch_size,
             threads=sizing.threads,
+            deterministic=spec.engine.deterministic,
             args=dict(spec.engine.args),
         ),
         server=ServerSettings(

@@ -5,10 +5,10 @@ memory is derived from what the engine will actually allocate:
 
 * the weights: the files themselves, which live in the memory-backed prewarm volume (tmpfs pages
   are charged to the pod) or, without prewarm, in the page cache of the mmapped hostPath files;
-* the KV cache: layers x context x KV heads x (key + value head size) x 2 bytes (f16);
-* the compute buffer: dominated by the logits, vocab x micro-batch x 4 bytes. Gemma 3 270M
-  has a 262k vocabulary, which made its compute buffer ~514 MiB at a 512-token batch (measured),
-  far more than its 250 MB of weights;
+* the KV cache and the compute buffer: `ember_runtime.memory.engine_memory`, the one rule the
+  runtime also checks against its cgroup limit at start. The engine gives each of
+  `maxBatchSize` sequences its own `contextLength` cells, so the KV cache is
+  layers x contextLength x maxBatchSize x KV heads x (key + value head size) x 2 bytes;
 * a fixed runtime overhead (Python, the server, the engine's own allocations).
 
 The GGUF header (read with `gguf.GGUFReader`, memory-mapped, no weights loaded) gives the exact
@@ -18,81 +18,26 @@ Threads follow the CPU limit, never above it: 2 threads on 2 busy cores measured
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from ember_runtime.memory import (
+    GGUFShape,
+    engine_memory,
+    kv_cells,
+    read_gguf_shape,
+    unified_kv,
+)
+
 from ember_operator import quantity
 from ember_operator.api.models import InferenceDeploymentSpec, ModelFormat
 from ember_operator.settings import OperatorSettings
 
-F16_BYTES = 2
-F32_BYTES = 4
-DEFAULT_UBATCH = 512
 SHM_SLACK_BYTES = 64 * quantity.MIB
 STARTUP_PERIOD_SECONDS = 5
-
-
-@dataclass(frozen=True)
-class GGUFShape:
-    """The parts of a GGUF header that decide how much memory inference needs."""
-
-    architecture: str
-    layers: int
-    embedding: int
-    vocab: int
-    context: int
-    heads: int
-    kv_heads: int
-    key_length: int
-    value_length: int
-
-
-def _field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-@functools.lru_cache(maxsize=64)
-def _read_cached(path: str, size: int, mtime_ns: int) -> GGUFShape:
-    # Lazy: gguf pulls in numpy (~25 MB RSS), needed only when a header is actually readable.
-    from gguf import GGUFReader  # noqa: PLC0415
-
-    reader = GGUFReader(path, "r")
-    arch = str(_field(reader, "general.architecture"))
-
-    def num(key: str, default: int | None = None) -> int:
-        value = _field(reader, f"{arch}.{key}")
-        if value is None:
-            if default is None:
-                raise ValueError(f"{path}: GGUF header lacks {arch}.{key}")
-            return default
-        return int(value[0] if isinstance(value, list) else value)
-
-    embedding = num("embedding_length")
-    heads = num("attention.head_count")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else num("vocab_size")
-    return GGUFShape(
-        architecture=arch,
-        layers=num("block_count"),
-        embedding=embedding,
-        vocab=vocab,
-        context=num("context_length"),
-        heads=heads,
-        kv_heads=num("attention.head_count_kv", heads),
-        key_length=num("attention.key_length", embedding // heads),
-        value_length=num("attention.value_length", embedding // heads),
-    )
-
-
-def read_gguf_shape(path: Path) -> GGUFShape:
-    """Read a GGUF header (cached by path, size and mtime: headers don't change in place)."""
-    st = path.stat()
-    return _read_cached(str(path), st.st_size, st.st_mtime_ns)
 
 
 def find_gguf_shape(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> GGUFShape | None:
@@ -139,36 +84,10 @@ class Sizing:
         return data
 
 
-def kv_cache_bytes(shape: GGUFShape, context: int) -> int:
-    return (
-        shape.layers
-        * context
-        * shape.kv_heads
-        * (shape.key_length + shape.value_length)
-        * (F16_BYTES)
-    )
-
-
-def compute_buffer_bytes(shape: GGUFShape, context: int, ubatch: int) -> int:
-    """Logits (vocab x batch, f32) or attention scores, whichever is larger, plus activations."""
-    logits = shape.vocab * ubatch * F32_BYTES
-    scores = shape.heads * context * ubatch * F32_BYTES
-    activations = shape.embedding * ubatch * F32_BYTES * 4
-    return max(logits, scores) + activations
-
-
-def _estimate(model_bytes: int, context: int) -> tuple[int, int]:
+def _estimate(model_bytes: int, cells: int) -> tuple[int, int]:
     """No header: assume a 7B-class KV footprint scaled by size and a 262k-vocab compute buffer."""
     per_token = max(32 * 1024, int(512 * 1024 * min(1.0, model_bytes / 4e9)))
-    return per_token * context, 512 * quantity.MIB + 16 * quantity.MIB
-
-
-def _ubatch(spec: InferenceDeploymentSpec) -> int:
-    for key in ("n_ubatch", "n_batch"):
-        raw = spec.engine.args.get(key)
-        if raw is not None and raw.isdigit() and int(raw) > 0:
-            return min(int(raw), spec.engine.context_length)
-    return min(DEFAULT_UBATCH, spec.engine.context_length)
+    return per_token * cells, 512 * quantity.MIB + 16 * quantity.MIB
 
 
 def shared_memory_bytes(spec: InferenceDeploymentSpec) -> int:
@@ -200,14 +119,19 @@ def compute(
     total = model_bytes(spec)
     shm = shared_memory_bytes(spec)
     context = spec.engine.context_length
-    if shape is not None:
-        kv, buf = (
-            kv_cache_bytes(shape, context),
-            compute_buffer_bytes(shape, context, _ubatch(spec)),
-        )
-    else:
-        kv, buf = _estimate(total, context)
     overhead = settings.runtime_overhead_mib * quantity.MIB
+    sequences = spec.engine.max_batch_size
+    if shape is not None:  # the engine's own rule: the runtime checks the same at start
+        need = engine_memory(
+            shape,
+            context=context,
+            sequences=sequences,
+            overhead=overhead,
+            unified=unified_kv(spec.engine.deterministic),
+        )
+        kv, buf = need.kv_cache, need.compute_buffer
+    else:
+        kv, buf = _estimate(total, kv_cells(context, sequences))
     weights = shm if spec.prewarm.enabled else total  # page cache of the mmapped files
     memory = quantity.ceil_mib(int((weights + kv + buf + overhead) * settings.memory_headroom))
     cpu = cpu_for(spec, settings)

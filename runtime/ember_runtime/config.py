@@ -7,7 +7,9 @@ are camelCase on the wire (like every Kubernetes object) and snake_case in Pytho
 
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -15,6 +17,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from ember_runtime.memory import unified_kv
+
+log = logging.getLogger(__name__)
 DEFAULT_CONFIG_PATH = Path("/etc/ember/config.yaml")
 CONFIG_ENV = "EMBER_CONFIG"
 
@@ -37,7 +42,61 @@ class EngineSettings(_Wire):
     max_batch_size: int = Field(default=16, ge=1, le=256)
     min_batch_size: int = Field(default=4, ge=1, le=256)
     threads: int = Field(default=1, ge=1)
+    deterministic: bool = Field(
+        default=False,
+        description="Batch-independent greedy output at a throughput cost (engines/llamacpp).",
+    )
+    step_tokens: int = Field(
+        default=256,
+        ge=16,
+        le=4096,
+        description="Prompt tokens per scheduling step beside the decodes (engines/scheduler).",
+    )
+    kv_unified: bool | None = Field(
+        default=None,
+        description="One KV pool for all sequences (None: the mode's default; never when "
+        "deterministic).",
+    )
     args: dict[str, str] = Field(default_factory=dict)
+
+    def llamacpp_modes(self) -> LlamaCppModes:
+        """`deterministic`, plus the deprecated `args` flags of the previous release.
+
+        `exactBatching`, `prefixCache` and `repack` were free-form strings; they still work for
+        this release (an explicit flag wins over what `deterministic` implies) and each one
+        logs a deprecation warning naming its replacement.
+        """
+        deterministic = self.deterministic
+        exact = _legacy_flag(self.args, "exactBatching", "engine.deterministic")
+        if exact is not None:
+            deterministic = deterministic or exact
+        return LlamaCppModes(
+            deterministic=deterministic,
+            prefix_cache=_legacy_flag(self.args, "prefixCache", "engine.deterministic"),
+            repack=_legacy_flag(self.args, "repack", "engine.deterministic"),
+            kv_unified=unified_kv(deterministic, self.kv_unified),
+        )
+
+
+@dataclass(frozen=True)
+class LlamaCppModes:
+    deterministic: bool
+    prefix_cache: bool | None  # None: what the mode implies (on unless deterministic)
+    repack: bool | None
+    kv_unified: bool
+
+
+def _legacy_flag(args: dict[str, str], key: str, replacement: str) -> bool | None:
+    raw = args.get(key)
+    if raw is None:
+        return None
+    log.warning(
+        "engine.args.%s is deprecated and will be removed in the next release; use %s "
+        "(fast batching, repacking and the prefix cache are the default now)",
+        key,
+        replacement,
+    )
+    return raw.strip().lower() == "true"
 
 
 class ServerSettings(_Wire):

@@ -71,6 +71,7 @@ def test_defaults_enums_bounds_and_subresources() -> None:
         "contextLength": 2048,
         "maxBatchSize": 16,
         "minBatchSize": 4,
+        "deterministic": False,
     }
     assert engine["properties"]["maxBatchSize"] == {
         "type": "integer",

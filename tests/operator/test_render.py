@@ -159,6 +159,14 @@ def test_configmap_holds_runtime_config_and_sizing() -> None:
     assert config.total_bytes() == 10 * 2**20
     figures = yaml.safe_load(data["sizing.yaml"])
     assert figures["source"] == "estimate" and figures["threads"] == 1
+    assert not config.engine.deterministic  # fast batching unless asked
+
+
+def test_deterministic_reaches_the_runtime_config() -> None:
+    out = _render(engine={"deterministic": True})
+    config = RuntimeConfig.model_validate(yaml.safe_load(out["ConfigMap"]["data"]["config.yaml"]))
+    assert config.engine.deterministic
+    assert config.engine.llamacpp_modes().deterministic
 
 
 def test_config_hash_changes_with_the_spec_only() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from ember_operator import quantity, sizing
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
+from ember_runtime import memory
 
 from tests.operator.specs import manifest
 
@@ -22,7 +23,7 @@ def _spec_for(path: Path, **overrides: Any) -> dict[str, Any]:
 
 
 def test_reads_the_gemma_header(gemma_gguf: Path) -> None:
-    shape = sizing.read_gguf_shape(gemma_gguf)
+    shape = memory.read_gguf_shape(gemma_gguf)
     # Gemma 3 270M: 18 blocks, 640-wide, 4 query heads sharing 1 KV head of 256, 262k vocab.
     assert shape.architecture == "gemma3"
     assert (shape.layers, shape.embedding, shape.heads, shape.kv_heads) == (18, 640, 4, 1)
@@ -31,10 +32,17 @@ def test_reads_the_gemma_header(gemma_gguf: Path) -> None:
     assert shape.context >= 32_768
 
 
-def test_compute_buffer_matches_the_measured_514_mib(gemma_gguf: Path) -> None:
-    shape = sizing.read_gguf_shape(gemma_gguf)
-    buffer = sizing.compute_buffer_bytes(shape, context=2048, ubatch=512)
-    assert 500 * MIB <= buffer <= 540 * MIB, buffer / MIB
+def test_buffers_match_what_llama_cpp_reports(gemma_gguf: Path) -> None:
+    shape = memory.read_gguf_shape(gemma_gguf)
+    # llama.cpp's own log for the engine's context at 2048 x 16 (n_ctx 32768, 272-row
+    # micro-batch, 16 outputs): KV 96 + 480 MiB, output buffer 16 MiB, compute 17.1 MiB.
+    need = memory.engine_memory(shape, context=2048, sequences=16)
+    assert need.kv_cache == 576 * MIB
+    assert (16 + 17.1) * MIB <= need.compute_buffer <= 2 * (16 + 17.1) * MIB
+    # and at 512 x 4: KV 6 + 30 MiB, output 4 MiB, compute 9.5 MiB
+    small = memory.engine_memory(shape, context=512, sequences=4)
+    assert small.kv_cache == 36 * MIB
+    assert (4 + 9.5) * MIB <= small.compute_buffer <= 2 * (4 + 9.5) * MIB
 
 
 def test_memory_covers_tmpfs_weights_kv_and_compute(gemma_gguf: Path) -> None:
@@ -44,7 +52,8 @@ def test_memory_covers_tmpfs_weights_kv_and_compute(gemma_gguf: Path) -> None:
     assert shape is not None, "the hostPath file should be found and read"
     sized = sizing.compute(spec, settings, shape)
     assert sized.source == "gguf-header"
-    assert sized.kv_cache_bytes == 18 * 4096 * 1 * (256 + 256) * 2
+    # one KV stream of contextLength cells for each of maxBatchSize (16) sequences
+    assert sized.kv_cache_bytes == 18 * 4096 * 16 * 1 * (256 + 256) * 2
     assert sized.shared_memory_bytes >= gemma_gguf.stat().st_size
     floor = sized.shared_memory_bytes + sized.kv_cache_bytes + sized.compute_buffer_bytes
     assert sized.memory_bytes >= floor + settings.runtime_overhead_mib * MIB
@@ -59,15 +68,15 @@ def test_without_prewarm_the_page_cache_is_counted_instead(gemma_gguf: Path) -> 
     assert sized.memory_bytes >= gemma_gguf.stat().st_size + sized.compute_buffer_bytes
 
 
-def test_bigger_batch_means_bigger_buffer(gemma_gguf: Path) -> None:
+def test_bigger_batch_means_more_memory(gemma_gguf: Path) -> None:
     settings = OperatorSettings()
-    small = parse_spec(_spec_for(gemma_gguf, engine={"args": {"n_batch": "128"}}))
-    large = parse_spec(_spec_for(gemma_gguf, engine={"args": {"n_batch": "1024"}}))
-    shape = sizing.read_gguf_shape(gemma_gguf)
-    assert (
-        sizing.compute(small, settings, shape).memory_bytes
-        < sizing.compute(large, settings, shape).memory_bytes
-    )
+    small = parse_spec(_spec_for(gemma_gguf, engine={"maxBatchSize": 4, "minBatchSize": 1}))
+    large = parse_spec(_spec_for(gemma_gguf, engine={"maxBatchSize": 32}))
+    shape = memory.read_gguf_shape(gemma_gguf)
+    sized_small = sizing.compute(small, settings, shape)
+    sized_large = sizing.compute(large, settings, shape)
+    assert sized_large.kv_cache_bytes == 8 * sized_small.kv_cache_bytes
+    assert sized_small.memory_bytes < sized_large.memory_bytes
 
 
 def test_missing_header_falls_back_to_a_stated_estimate(tmp_path: Path) -> None:

@@ -134,6 +134,16 @@ REJECT: list[tuple[str, Change, str]] = [
         "engine.threads only applies to the llamacpp engine",
     ),
     (
+        "deterministic-on-tensorrt",
+        spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "deterministic": True}}),
+        "engine.deterministic only applies to the llamacpp engine",
+    ),
+    (
+        "deterministic-not-a-bool",
+        spec(engine={"deterministic": "yes"}),
+        "spec.engine.deterministic: Invalid value",
+    ),
+    (
         "gpu-count-zero",
         spec(accelerator={"kind": "npu", "count": 0}),
         "accelerator.count must be at least 1",
@@ -187,6 +197,11 @@ ACCEPT: list[tuple[str, Change]] = [
     ("npu-with-count", spec(accelerator={"kind": "npu", "count": 2})),
     ("cpu-count-zero", spec(accelerator={"kind": "cpu", "count": 0})),
     ("threads-on-llamacpp", spec(engine={"threads": 2})),
+    ("deterministic-on-llamacpp", spec(engine={"deterministic": True})),
+    (
+        "not-deterministic-on-tensorrt",
+        spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "deterministic": False}}),
+    ),
     ("zero-replicas", spec(replicas=0)),
     ("name-56", path("metadata.name", "a" * 56)),
     ("integer-quantity", spec(prewarm={"sharedMemoryLimit": 1073741824})),

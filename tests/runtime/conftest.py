@@ -102,7 +102,6 @@ def guarded(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Itera
     key_file.write_text(API_KEY + "\n")
     config = make_config(
         tmp / "sysfs",
-        {"prefixCache": "false"},
         apiKeyFile=str(key_file),
         maxQueue=2,
         requestTimeoutSeconds=120.0,

@@ -1,9 +1,10 @@
-"""Batch-independence at full width: 8 sequences at once, straight on the engine (no HTTP).
+"""Deterministic mode's promise at full width: 8 sequences at once equal their solo runs,
+straight on the engine (no HTTP).
 
-The HTTP suite's server has capacity 4; llama.cpp's CPU kernels may change at some ubatch
-width (8 rows on one x86 box here; another CPU may differ), which only a wide batch shows.
-Exact batching never assumes that width: it probes it at load, so these tests hold on any CPU
-whatever the probe finds. Prompts of 64+ tokens exercise the tiled attention path too.
+llama.cpp's CPU kernels may change at some ubatch width (8 rows on one x86 box here; another
+CPU may differ), which only a wide batch shows. Deterministic mode never assumes that width:
+it probes it at load, so these tests hold on any CPU whatever the probe finds. Prompts of 64+
+tokens exercise the tiled attention path too.
 """
 
 from __future__ import annotations
@@ -33,10 +34,16 @@ TOKENS = 24
 
 
 @contextlib.asynccontextmanager
-async def running(model_path: Path, *, exact: bool) -> AsyncIterator[LlamaCppEngine]:
+async def running(model_path: Path, *, deterministic: bool) -> AsyncIterator[LlamaCppEngine]:
     # Started inside the test: the engine hands deltas to the loop it was started on.
     engine = LlamaCppEngine(
-        model_path, context_length=256, capacity=8, threads=1, max_queue=16, exact=exact
+        model_path,
+        context_length=256,
+        capacity=8,
+        threads=1,
+        max_queue=16,
+        step_tokens=64,  # prompts of 70+ tokens come in two chunks: the cut must not matter
+        deterministic=deterministic,
     )
     await engine.start()
     try:
@@ -62,7 +69,7 @@ async def widest_step_while(engine: LlamaCppEngine, work: asyncio.Future[list[st
 
 
 async def test_eight_at_once_match_their_solo_runs(model_path: Path) -> None:
-    async with running(model_path, exact=True) as engine:
+    async with running(model_path, deterministic=True) as engine:
         assert 1 <= engine.exact_rows <= 8
         assert any(len(engine.tokenize(p, add_special=True)) >= 64 for p in PROMPTS)
         alone = [await greedy(engine, p) for p in PROMPTS]
@@ -75,11 +82,46 @@ async def test_eight_at_once_match_their_solo_runs(model_path: Path) -> None:
 
 
 async def test_fast_batching_serves_the_same_requests(model_path: Path) -> None:
-    # Alone, fast batching decodes exactly like exact batching; together it may round
-    # differently (that is the trade-off), but every request still gets its full answer.
-    async with running(model_path, exact=True) as engine:
-        first = await greedy(engine, PROMPTS[0])
-    async with running(model_path, exact=False) as engine:
-        assert await greedy(engine, PROMPTS[0]) == first
-        together = await asyncio.gather(*(greedy(engine, p) for p in PROMPTS))
+    # Fast mode (the default) batches everything in one call per step with repacked weights:
+    # it may round differently from a solo run (that is the trade-off), but every request
+    # still gets its full answer, and the step really is one wide call.
+    async with running(model_path, deterministic=False) as engine:
+        assert engine.exact_rows == 0
+        burst = asyncio.ensure_future(asyncio.gather(*(greedy(engine, p) for p in PROMPTS)))
+        assert await widest_step_while(engine, burst) == 8
+        together = await burst
+        again = await asyncio.gather(*(greedy(engine, p) for p in PROMPTS))
     assert all(text.strip() for text in together)
+    assert len(again) == len(together)
+
+
+async def test_unified_pool_shares_a_running_prompt(model_path: Path) -> None:
+    # One KV pool (kv_unified): a request whose prompt starts like a running one's takes those
+    # cells (a seq_id tag, no copy) instead of recomputing them.
+    seen: list[int] = []
+    engine = LlamaCppEngine(
+        model_path,
+        context_length=256,
+        capacity=4,
+        threads=1,
+        max_queue=8,
+        kv_unified=True,
+        observer=lambda stats: seen.append(stats.prompt_tokens),
+    )
+    await engine.start()
+    try:
+        head, tail = PROMPTS[5], " The first sentence is"
+        shared = len(engine.tokenize(head, add_special=True))
+        total = len(engine.tokenize(head + tail, add_special=True))
+        tokens = engine.tokenize(head, add_special=True)
+        first = engine.submit(tokens, SamplingParams(max_tokens=200))  # runs throughout
+        while engine.state().steps < 2:  # its prompt is in, it decodes
+            await asyncio.sleep(0.005)
+        second = await greedy(engine, head + tail)
+        assert engine.state().active == 1, "the first request should still be running"
+        first.cancel()
+        assert second.strip()
+        assert total > shared + 3
+        assert sum(seen) == total  # the head once, then only the tail: not shared + total
+    finally:
+        await engine.stop()

@@ -55,17 +55,19 @@ async def test_greedy_is_deterministic(server: LiveServer) -> None:
     assert first["choices"][0]["finish_reason"] == "length"
 
 
-async def test_batching_does_not_change_greedy_results(server: LiveServer) -> None:
+async def test_staggered_requests_all_complete(server: LiveServer) -> None:
+    # The default (fast) mode: requests join mid-generation and all get their full answers.
+    # Batch-independent text is deterministic mode's promise (tests/runtime/test_batching.py).
     async with httpx.AsyncClient(base_url=server.url) as client:
-        alone = [await complete(client, p) for p in PROMPTS[:4]]
 
         async def late(prompt: str, delay: float) -> dict[str, Any]:
             await asyncio.sleep(delay)  # joins while the others are mid-generation
             return await complete(client, prompt)
 
         together = await asyncio.gather(*(late(p, 0.1 * i) for i, p in enumerate(PROMPTS[:4])))
-    for solo, batched in zip(alone, together, strict=True):
-        assert solo["choices"][0]["text"] == batched["choices"][0]["text"]
+    for batched in together:
+        assert batched["choices"][0]["text"].strip()
+        assert batched["usage"]["completion_tokens"] == 24
 
 
 async def test_batched_steps_really_hold_several_sequences(server: LiveServer) -> None:

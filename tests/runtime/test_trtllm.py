@@ -241,6 +241,13 @@ async def test_served_over_http_with_the_tensorrt_llm_engine_kind(
             reply = (await client.post("/v1/completions", json=body)).json()
             chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
             chat_reply = (await client.post("/v1/chat/completions", json=chat)).json()
+            # what this adapter does not implement is refused, never ignored
+            scored = await client.post("/v1/completions", json={**body, "logprobs": 1})
+            json_mode = {**chat, "response_format": {"type": "json_object"}}
+            constrained = await client.post("/v1/chat/completions", json=json_mode)
+    assert scored.status_code == 400 and scored.json()["error"]["param"] == "logprobs"
+    assert constrained.status_code == 400
+    assert constrained.json()["error"]["param"] == "response_format"
     assert reply["choices"][0]["text"] == "xyzxy"
     assert reply["choices"][0]["finish_reason"] == "length"
     assert reply["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}

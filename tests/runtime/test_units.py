@@ -1,10 +1,14 @@
-"""Pieces that need no model: text assembly, the thermal-zone reader, settings precedence."""
+"""Pieces that need no model: text assembly, the thermal-zone reader, settings precedence,
+logprobs arithmetic, the deprecated engine.args flags."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+from ember_runtime.config import EngineSettings
+from ember_runtime.engines import sampling
 from ember_runtime.engines.text import TextAssembler
 from ember_runtime.sensors import TemperatureSource, ThermalZoneReader
 from ember_runtime.server.settings import load_settings, resolve_model_path
@@ -114,3 +118,27 @@ def test_jinja_chat_template_path() -> None:
     assert rendered == "<s><|user|>hi</s><|assistant|>"
     with pytest.raises(ValueError, match="no tools"):
         render_template(template, [ChatMessage("tool", "x")], bos_token="", eos_token="")
+
+
+def test_logprobs_are_a_log_softmax_with_the_best_first() -> None:
+    row = np.array([1.0, 3.0, 2.0, 3.0 - np.log(2.0)], dtype=np.float32)
+    chosen, top = sampling.logprobs(row, 2, 2)
+    total = np.log(np.exp(row.astype(np.float64)).sum())
+    assert chosen == pytest.approx(2.0 - total, abs=1e-6)
+    assert [t for t, _ in top] == [1, 3]
+    assert top[0][1] - top[1][1] == pytest.approx(np.log(2.0), abs=1e-6)
+    assert sampling.logprobs(row, 0, 0)[1] == []
+    assert sampling.greedy(row) == 1
+
+
+def test_legacy_engine_args_still_work_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    default = EngineSettings().llamacpp_modes()
+    assert (default.deterministic, default.prefix_cache, default.repack) == (False, None, None)
+    assert EngineSettings(deterministic=True).llamacpp_modes().deterministic
+    old = EngineSettings(args={"exactBatching": "true", "prefixCache": "false"})
+    modes = old.llamacpp_modes()
+    assert modes.deterministic and modes.prefix_cache is False and modes.repack is None
+    assert "engine.args.exactBatching is deprecated" in caplog.text
+    assert "engine.args.prefixCache is deprecated" in caplog.text
+    fast = EngineSettings(args={"exactBatching": "false", "repack": "true"}).llamacpp_modes()
+    assert not fast.deterministic and fast.repack

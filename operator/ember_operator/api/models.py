@@ -199,6 +199,10 @@ class EngineSpec(Wire):
                 "!has(self.threads) || self.kind == 'llamacpp'",
                 "engine.threads only applies to the llamacpp engine",
             ),
+            cel(
+                "!has(self.deterministic) || !self.deterministic || self.kind == 'llamacpp'",
+                "engine.deterministic only applies to the llamacpp engine",
+            ),
         )
     )
 
@@ -218,10 +222,23 @@ class EngineSpec(Wire):
         le=256,
         description="llamacpp threads; by default derived from the runtime container's CPU limit.",
     )
+    deterministic: bool = Field(
+        default=False,
+        description=(
+            "llamacpp: make a request's greedy output independent of the requests batched with "
+            "it (decode calls no wider than a width probed at start on the node's CPU, each "
+            "prompt chunk alone, no repacked weights, no prefix cache). Costs throughput under "
+            "load (see the README); off: batching as llama-server does it."
+        ),
+    )
     args: dict[str, str] = Field(
         default_factory=dict,
         max_length=64,
-        description="Extra engine arguments, passed through verbatim (e.g. n_batch: '512').",
+        description=(
+            "Extra engine arguments, passed through verbatim (e.g. n_batch: '512'). "
+            "exactBatching, prefixCache and repack are deprecated (use deterministic) and "
+            "are removed in the next release."
+        ),
     )
 
 

@@ -29,6 +29,14 @@ class QueueFullError(EngineError):
         self.retry_after_seconds = retry_after_seconds
 
 
+class InvalidRequestError(EngineError):
+    """The request asks for something this engine cannot do as given (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class EngineStoppingError(EngineError):
     """The engine is draining for shutdown and takes no new work (HTTP 503)."""
 
@@ -47,10 +55,30 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's plus the top k
+    grammar: str | None = None  # GBNF (root rule "root") that every generated token must fit
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token: str
+    token_bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model (before any grammar constraint)
+    and its most likely alternatives, as OpenAI reports them."""
+
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +89,7 @@ class Delta:
     n_tokens: int
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @runtime_checkable
@@ -109,6 +138,9 @@ class EngineInfo:
     context_length: int  # per sequence
     vocab_size: int = 0
     extra: dict[str, str] = field(default_factory=dict)
+    # Optional request features this engine implements: "logprobs", "grammar". The server
+    # answers 400 for a request that needs one the engine lacks, never ignores it.
+    features: frozenset[str] = frozenset()
 
 
 class Engine(Protocol):

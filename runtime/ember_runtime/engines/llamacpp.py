@@ -1,33 +1,47 @@
 """Continuous batching over llama.cpp's low-level API (llama-cpp-python's ctypes bindings).
 
 One context holds `capacity` sequences, each with its own `seq_id` and its own KV stream
-(`kv_unified=False`: attention per sequence). A single thread runs the decode loop: every step
-decodes one token per generating sequence and feeds prompt chunks of newly admitted requests,
-samples each sequence and hands the deltas to the event loop in one `call_soon_threadsafe`.
-ctypes releases the GIL during `llama_decode`, so the event loop keeps serving while it runs.
+(`kv_unified=False`: attention per sequence). A single thread runs the decode loop; what goes
+into each step is decided by the policy in `engines/scheduler.py` (no model needed to read or
+test it), this module only binds it to llama.cpp: it fills the batch, calls `llama_decode`,
+samples, and hands one step's deltas to the event loop in one `call_soon_threadsafe`. ctypes
+releases the GIL during `llama_decode`, so the event loop keeps serving while it runs.
 
-Batch-independent greedy output versus speed (measured on this project's 2-core x86 box with
-Gemma 3 270M Q4_K_M; `bench/results/runtime_bench.md` has the numbers):
+Two modes (measured on this project's 2-core x86 box with Gemma 3 270M Q4_K_M;
+`bench/results/runtime_bench.md` has the numbers):
 
-* llama.cpp splits a batch into ubatches of consecutive seq_ids, each a full pass over the
-  weights. Running sequences are therefore kept on seq_ids 0..n-1 (`_compact`) and sorted, so
-  a step is as few passes as possible. This changes no numbers.
-* A ubatch of 8 or more rows runs different CPU kernels than a single row: the logits of the
-  same sequence differ (up to ~1.0), so greedy text depends on how many neighbours it had.
-  2..7 rows are bit-identical to 1. And attention over a prompt chunk of 64 or more tokens
-  uses a tiled kernel, so a prompt split differently (e.g. 1 + 63 tokens) also changes.
-* Exact batching (the default, `engine.args.exactBatching`) keeps a request's greedy output
-  identical alone or batched: decode rows go in `llama_decode` calls no wider than the
-  widest that a probe at load found bit-identical to single rows on this CPU (7 on the box
-  above), and each prompt chunk gets its own call, exactly as it would alone. The price is an extra
-  pass over the weights per step from the 8th running sequence on, and one prompt per step.
-* Fast batching (`exactBatching: "false"`) does what llama-server does: one call per step over
-  every decode row and every waiting prompt. Combine with `prefixCache` (reuse a finished
-  prompt's KV cells; the reused prompt's last token is then decoded alone, a different kernel
-  shape) and `repack` (llama.cpp's AVX2 weight layout, also shape-dependent) for throughput.
-  Output is then still deterministic for a given arrival pattern, just not batch-independent.
-* Not covered: a single sequence past 256 tokens of context alone may take llama.cpp's
-  split-KV attention path, which a batched one does not (not measured).
+* **Fast (default)**, as llama-server: one `llama_decode` per step over every decoding
+  sequence and up to `step_tokens` tokens of waiting prompts, llama.cpp's repacked (AVX2)
+  weights where the CPU has them, and the prefix cache on. Output is deterministic for a given
+  arrival pattern but not batch-independent: llama.cpp's CPU kernels change with the number of
+  rows in a call (8+ rows differ from 1 by up to ~1.0 in the logits on that box), so a greedy
+  reply can differ by which requests it shared steps with.
+* **Deterministic** (`engine.deterministic: true`): a request's greedy output is the same alone
+  or batched. Decode rows go in calls no wider than the widest that a probe at load found
+  bit-identical to single rows *on this CPU* (`_probe_rows`: 7 on the box above; another CPU
+  may switch kernels elsewhere or never), each prompt chunk gets its own call cut at fixed
+  positions, and repacking and the prefix cache are off (both change kernel shapes). The cost:
+  an extra pass over the weights per step from the (exact_rows + 1)th sequence on, one prompt
+  chunk per step, no prompt reuse.
+
+Common to both: with one KV stream per sequence llama.cpp splits a batch into ubatches of
+consecutive seq_ids taking the same number of tokens from each (`split_equal`), each a full
+pass over the weights, so running sequences are kept on seq_ids 0..n-1 (`_compact`; this
+changes no numbers), and a step that mixes decode rows with prompt chunks costs an extra pass
+or two. `kv_unified` (runtime config `engine.kvUnified`, fast mode only, off by default until
+the full benchmark decides) puts every sequence in one pool, as llama-server's `-kvu`: any step
+is one ubatch and a new request shares a running one's prompt cells (`_share_live_prefix`).
+Not covered: a single sequence past 256 tokens of context alone may take
+llama.cpp's split-KV attention path, which a batched one does not (not measured).
+
+The prefix cache: a finished request's prompt stays in its seq_id's KV cells, and a new request
+takes the free seq_id whose cached prompt shares the longest prefix with its own (a chat system
+prompt, few-shot examples), decoding only the rest. It costs no memory (the cells are allocated
+per sequence anyway, `contextLength x maxBatchSize`) and is bounded by the number of sequences;
+an entry is evicted only when its seq_id is needed by a request that shares nothing longer with
+any other free seq_id — so the most useful prefixes survive. Prefixes are not copied between
+live sequences (with one KV stream per sequence a copy moves the whole stream buffer): a burst
+of requests with a new shared prefix computes it once per sequence, later ones reuse it.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from ember_runtime.engines import sampling
 from ember_runtime.engines.base import (
     ChatMessage,
     Delta,
@@ -53,25 +68,29 @@ from ember_runtime.engines.base import (
     EngineStoppingError,
     EngineUnavailableError,
     FinishReason,
+    InvalidRequestError,
     QueueFullError,
     SamplingParams,
     StepObserver,
     StepStats,
+    TokenLogprob,
+    TopLogprob,
 )
 from ember_runtime.engines.chat import render_template
+from ember_runtime.engines.scheduler import Call, Policy, admissible, plan_step, split_active
 from ember_runtime.engines.text import TextAssembler
 
 log = logging.getLogger(__name__)
 
-# llama.cpp logs every tensor at load time; keep warnings and errors only. The callback must
-# outlive the library, hence a module-level reference.
-# Exact batching: the most rows a `llama_decode` may carry is probed at start (`_probe_rows`),
+# Deterministic mode: the most rows a `llama_decode` may carry is probed at start (`_probe_rows`),
 # never assumed: the width at which llama.cpp switches CPU kernels depends on the CPU and the
 # build (measured on one 2-core x86 box: logits differ by up to ~1.0 from 8 rows on,
 # bit-identical for 2..7; another CPU may switch earlier or never). The probe tries widths up
 # to this bound; past it a pass over the weights is compute-bound anyway on a small edge CPU.
 _PROBE_MAX_ROWS = 16
 _PROBE_PREFIX = 3  # tokens of context per probe sequence, so attention has cells to read
+# llama.cpp logs every tensor at load time; keep warnings and errors only. The callback must
+# outlive the library, hence a module-level reference.
 _GGML_LEVELS = {3: logging.WARNING, 4: logging.ERROR}  # ggml: 1 debug, 2 info, 3 warn, 4 error
 _log_callback: Any = None
 
@@ -137,7 +156,9 @@ class _Sequence:
         "text",
     )
 
-    def __init__(self, stream: _Stream, prompt: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self, stream: _Stream, prompt: list[int], params: SamplingParams, sampler: Any
+    ) -> None:
         self.stream = stream
         self.prompt = prompt
         self.params = params
@@ -146,7 +167,11 @@ class _Sequence:
         self.prefilled = 0  # prompt tokens already submitted
         self.generated = 0
         self.last_token = -1
-        self.sampler: Any = None
+        self.sampler: Any = sampler  # None: greedy argmax in numpy
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
 
 
 class LlamaCppEngine:
@@ -161,10 +186,11 @@ class LlamaCppEngine:
         threads: int,
         max_queue: int,
         model_id: str | None = None,
-        batch_tokens: int = 512,
-        prefix_cache: bool = False,
-        repack: bool = False,
-        exact: bool = True,
+        step_tokens: int = 256,
+        deterministic: bool = False,
+        prefix_cache: bool | None = None,
+        repack: bool | None = None,
+        kv_unified: bool = False,
         observer: StepObserver | None = None,
     ) -> None:
         if not 1 <= capacity <= 256:
@@ -173,12 +199,15 @@ class LlamaCppEngine:
             name="llamacpp",
             model_id=model_id or model_path.stem,
             context_length=context_length,
+            features=frozenset({"logprobs", "grammar"}),
         )
         self._path = model_path
         self._capacity = capacity
         self._threads = threads
         self._max_queue = max_queue
-        self._batch_tokens = max(batch_tokens, capacity)
+        self._step_tokens = step_tokens
+        # A step carries every decode row plus up to step_tokens prompt tokens.
+        self._batch_tokens = step_tokens + capacity
         self._observer = observer
         self._max_batch = capacity
         self._cond = threading.Condition()
@@ -187,10 +216,15 @@ class LlamaCppEngine:
         self._free_ids = list(range(capacity))  # least recently used first
         self._slot_cache: list[list[int]] = [[] for _ in range(capacity)]
         self._freed_at = [0] * capacity  # the step each seq_id was last released at
-        self._prefix_cache = prefix_cache
-        self._repack = repack
-        self._exact = exact
-        self._exact_rows = 1  # probed at load (exact mode); 1 is always batch-independent
+        # Both change kernel shapes between a request alone and batched: off when deterministic.
+        self._prefix_cache = (not deterministic) if prefix_cache is None else prefix_cache
+        self._repack = (not deterministic) if repack is None else repack
+        self._deterministic = deterministic
+        # One KV pool for all sequences (llama-server's -kvu): a batch is one micro-batch
+        # whatever its mix of sequences; per-sequence streams need equal-length splits.
+        # Never in deterministic mode: attention would span other sequences' (masked) cells.
+        self._unified = kv_unified and not deterministic
+        self._policy = Policy(deterministic=deterministic, step_tokens=step_tokens)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -238,9 +272,9 @@ class LlamaCppEngine:
         mparams = ll.llama_model_default_params()
         mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP  # share pages with prewarm's copy
         mparams.n_gpu_layers = 0
-        # Repacked weights (AVX2 gemm on 4/8 columns, gemv for the rest) round differently for
-        # one token than for several, so a request's greedy text would depend on its
-        # neighbours. Off by default; engine.args.repack="true" trades that for speed.
+        # Repacked weights (AVX2 gemm on 4/8 columns, gemv for the rest) are faster and round
+        # differently for one token than for several: off in deterministic mode. Where the CPU
+        # has no repacked kernels llama.cpp keeps the plain layout.
         mparams.use_extra_bufts = self._repack
         self._model = ll.llama_model_load_from_file(str(self._path).encode(), mparams)
         if not self._model:
@@ -266,23 +300,30 @@ class LlamaCppEngine:
                 self._builtin_template,
             )
         self._warm_up()
-        if self._exact:
-            self._exact_rows = self._probe_rows(min(self._capacity, _PROBE_MAX_ROWS))
+        if self._deterministic:
+            rows = self._probe_rows(min(self._capacity, _PROBE_MAX_ROWS))
+            self._policy = Policy(
+                deterministic=True, step_tokens=self._step_tokens, exact_rows=rows
+            )
         log.info(
-            "llama.cpp engine ready: %s, capacity %d, %d tokens/sequence, %d thread(s), %s",
+            "llama.cpp engine ready: %s, capacity %d, %d tokens/sequence, %d thread(s), %s, "
+            "%d prompt tokens per step, prefix cache %s, repacked weights %s",
             self._path.name,
             self._capacity,
             self.info.context_length,
             self._threads,
-            f"exact batching ({self._exact_rows} rows per decode, probed)"
-            if self._exact
+            f"deterministic ({self._policy.exact_rows} rows per decode, probed)"
+            if self._deterministic
             else "fast batching",
+            self._step_tokens,
+            "on" if self._prefix_cache else "off",
+            "allowed" if self._repack else "off",
         )
 
     @property
     def exact_rows(self) -> int:
-        """Exact batching's widest `llama_decode` (probed on this CPU at load); 0 when fast."""
-        return self._exact_rows if self._exact else 0
+        """Deterministic mode's widest `llama_decode` (probed on this CPU at load); 0 when fast."""
+        return self._policy.exact_rows if self._deterministic else 0
 
     def _context_params(self, ll: Any) -> Any:
         cparams = ll.llama_context_default_params()
@@ -295,7 +336,7 @@ class LlamaCppEngine:
         cparams.n_outputs_max = self._capacity
         cparams.n_threads = self._threads
         cparams.n_threads_batch = self._threads
-        cparams.kv_unified = False
+        cparams.kv_unified = self._unified
         cparams.no_perf = True
         return cparams
 
@@ -426,13 +467,16 @@ class LlamaCppEngine:
         if not prompt:
             raise ValueError("the prompt is empty")
         stream = _Stream(self, len(prompt))
-        seq = _Sequence(stream, prompt, params)
         with self._cond:
             if self._stopping:
                 raise EngineStoppingError("the engine is shutting down")
             if len(self._pending) >= self._max_queue:
                 raise QueueFullError(len(self._pending))
-            self._pending.append(seq)
+        # Built here, on the event loop, so a grammar that llama.cpp cannot parse is the
+        # client's 400 rather than an error delta later (it only reads the vocabulary).
+        sampler = None if params.greedy and params.grammar is None else self._make_sampler(params)
+        with self._cond:
+            self._pending.append(_Sequence(stream, prompt, params, sampler))
             self._cond.notify()
         return stream
 
@@ -476,7 +520,10 @@ class LlamaCppEngine:
                 self._drop_cancelled()
                 if self._stopping:
                     return False
-                while self._pending and len(self._running) < self._max_batch:
+                joining = admissible(
+                    len(self._running), len(self._pending), self._max_batch, len(self._free_ids)
+                )
+                for _ in range(joining):
                     self._admit(self._pending.popleft())
                 if self._running:
                     self._compact()
@@ -486,6 +533,9 @@ class LlamaCppEngine:
     def _drop_cancelled(self) -> None:
         if any(s.stream.cancelled for s in self._pending):
             kept = [s for s in self._pending if not s.stream.cancelled]
+            for seq in self._pending:
+                if seq.stream.cancelled:
+                    self._free_sampler(seq)
             self._pending.clear()
             self._pending.extend(kept)
         done = [s for s in self._running if s.stream.cancelled]
@@ -495,9 +545,6 @@ class LlamaCppEngine:
     def _admit(self, seq: _Sequence) -> None:
         seq.seq_id, reused = self._pick_slot(seq.prompt)
         seq.prefilled = reused
-        params = seq.params
-        if not params.greedy:
-            seq.sampler = self._make_sampler(params)
         self._running.append(seq)
 
     def _pick_slot(self, prompt: list[int]) -> tuple[int, int]:
@@ -518,7 +565,25 @@ class LlamaCppEngine:
             self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
             keep = 0
         self._slot_cache[sid] = []
+        if self._unified and self._prefix_cache:
+            keep = max(keep, self._share_live_prefix(sid, prompt, keep))
         return sid, keep
+
+    def _share_live_prefix(self, sid: int, prompt: list[int], have: int) -> int:
+        """Unified KV only: let `sid` share the computed prompt cells of a running sequence
+        that has a longer common prefix than `have` (one pool: a copy only tags the cells
+        with one more seq_id, no data moves). Returns the tokens now cached, or 0."""
+        donor, shared = None, have
+        for seq in self._running:
+            common = _common_prefix(seq.prompt[: seq.prefilled], prompt)
+            if common > shared:
+                donor, shared = seq, common
+        shared = min(shared, len(prompt) - 1)
+        if donor is None or shared <= have:
+            return 0
+        self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
+        self._ll.llama_memory_seq_cp(self._mem, donor.seq_id, sid, 0, shared)
+        return shared
 
     def _compact(self) -> None:
         """Keep the running sequences on seq_ids 0..n-1.
@@ -530,6 +595,8 @@ class LlamaCppEngine:
         (cells keep their indices and positions, so the numbers do not change) at the start
         of the next decode, a few MB once per finished request.
         """
+        if self._unified:
+            return  # one stream: any seq_ids go in one micro-batch, nothing to move
         n = len(self._running)
         # With the prefix cache, a just-freed seq_id holds a prompt that its client's next
         # request is likely to repeat within a step or two: let it be reused before filling it.
@@ -553,8 +620,21 @@ class LlamaCppEngine:
         seq.seq_id = dst
 
     def _make_sampler(self, params: SamplingParams) -> Any:
+        """A llama.cpp sampler chain: grammar (if any) first, then greedy or top_p/temp/dist."""
         ll = self._ll
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        if params.grammar is not None:
+            grammar = ll.llama_sampler_init_grammar(self._vocab, params.grammar.encode(), b"root")
+            if not grammar:
+                ll.llama_sampler_free(chain)
+                raise InvalidRequestError(
+                    "llama.cpp could not compile the grammar for response_format",
+                    param="response_format",
+                )
+            ll.llama_sampler_chain_add(chain, grammar)
+        if params.greedy:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+            return chain
         if params.top_p < 1.0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(params.temperature))
@@ -562,93 +642,48 @@ class LlamaCppEngine:
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
         return chain
 
-    def _step(self) -> None:
-        """One scheduling step: decode one token for every generating sequence and feed
-        prompt chunks, then sample each sequence whose logits came out.
+    def _free_sampler(self, seq: _Sequence) -> None:
+        if seq.sampler is not None:
+            self._ll.llama_sampler_free(seq.sampler)
+            seq.sampler = None
 
-        Exact (default): decode rows go in `llama_decode` calls of at most `exact_rows`
-        sequences (probed at load), and a prompt chunk gets a call of its own, so every row is
-        computed by the same kernels as when its request runs alone (see the module
-        docstring). Fast: one call over everything, as llama-server does.
-        """
-        active = self._running[: self._max_batch]  # a lowered limit pauses the newest ones
+    def _step(self) -> None:
+        """One scheduling step: the calls `plan_step` chose, each decoded then sampled."""
+        active, _paused = split_active(self._running, self._max_batch)
         active.sort(key=lambda seq: seq.seq_id)  # consecutive ids: one ubatch (see _compact)
-        decoding = [seq for seq in active if seq.prefilled == len(seq.prompt)]
         began = time.perf_counter()
-        rows = self._exact_rows
-        groups = range(0, len(decoding), rows) if self._exact else range(0)
-        for i in groups:
-            entries: list[tuple[int, int, int, bool]] = []
-            outputs: list[tuple[_Sequence, int]] = []
-            self._add_decodes(decoding[i : i + rows], entries, outputs)
-            if not self._run_batch(active, entries, outputs):
+        prompt_tokens = 0
+        for call in plan_step(active, self._policy):
+            outputs = self._fill_call(call)
+            prompt_tokens += call.rows - len(call.decodes)
+            rc = self._ll.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                self._fail_batch(active, f"llama_decode failed with status {rc}")
                 return
-        entries, outputs = [], []
-        if not self._exact:
-            self._add_decodes(decoding, entries, outputs)
-        prompt_tokens = self._add_prompts(active, entries, outputs, together=not self._exact)
-        if entries and not self._run_batch(active, entries, outputs):
-            return
+            self._sample(outputs)
         self._steps += 1
         self._last_step_sequences = len(active)
         if self._observer is not None:
             self._observer(StepStats(time.perf_counter() - began, len(active), prompt_tokens))
 
-    def _run_batch(
-        self,
-        active: list[_Sequence],
-        entries: list[tuple[int, int, int, bool]],
-        outputs: list[tuple[_Sequence, int]],
-    ) -> bool:
-        """One `llama_decode`, then sampling; False if it failed (all of `active` failed)."""
-        self._fill(entries)
-        rc = self._ll.llama_decode(self._ctx, self._batch)
-        if rc != 0:
-            self._fail_batch(active, f"llama_decode failed with status {rc}")
-            return False
-        self._sample(outputs)
-        return True
-
-    @staticmethod
-    def _add_decodes(
-        decoding: list[_Sequence],
-        entries: list[tuple[int, int, int, bool]],
-        outputs: list[tuple[_Sequence, int]],
-    ) -> None:
-        for seq in decoding:
+    def _fill_call(self, call: Call[_Sequence]) -> list[tuple[_Sequence, int]]:
+        """Put one call's rows in the batch; returns (sequence, row) for each row to sample."""
+        entries: list[tuple[int, int, int, bool]] = []
+        outputs: list[tuple[_Sequence, int]] = []
+        for seq in call.decodes:
             outputs.append((seq, len(entries)))
             pos = seq.prefilled + seq.generated - 1  # the last sampled token's position
             entries.append((seq.last_token, pos, seq.seq_id, True))
-
-    def _add_prompts(
-        self,
-        active: list[_Sequence],
-        entries: list[tuple[int, int, int, bool]],
-        outputs: list[tuple[_Sequence, int]],
-        *,
-        together: bool,
-    ) -> int:
-        """Append prompt chunks within the batch's token budget (every waiting prompt when
-        `together`, else the first one); returns how many tokens were added."""
-        budget = self._batch_tokens - len(entries)
-        added = 0
-        for seq in active:
-            todo = len(seq.prompt) - seq.prefilled
-            if todo == 0 or budget == 0:
-                continue
-            take = min(todo, budget)
-            start = seq.prefilled
-            for i in range(start, start + take):
-                last = i == len(seq.prompt) - 1
-                if last:
-                    outputs.append((seq, len(entries)))
-                entries.append((seq.prompt[i], i, seq.seq_id, last))
-            seq.prefilled += take
-            budget -= take
-            added += take
-            if not together:
-                break
-        return added
+        for chunk in call.chunks:
+            seq, last = chunk.seq, chunk.start + chunk.count - 1
+            for i in range(chunk.start, last + 1):
+                entries.append((seq.prompt[i], i, seq.seq_id, False))
+            if chunk.completes_prompt:
+                outputs.append((seq, len(entries) - 1))
+                entries[-1] = (seq.prompt[last], last, seq.seq_id, True)
+            seq.prefilled = last + 1
+        self._fill(entries)
+        return outputs
 
     def _fill(self, entries: list[tuple[int, int, int, bool]]) -> None:
         batch = self._batch
@@ -671,14 +706,12 @@ class LlamaCppEngine:
         ll, ctx = self._ll, self._ctx
         emits: list[tuple[_Stream, Delta]] = []
         for seq, idx in outputs:
+            row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), (self._n_vocab,))
             if seq.sampler is None:
-                # Greedy: argmax over the logits row in numpy. llama.cpp's greedy sampler would
-                # first copy all 262k candidates into a token-data array, per token.
-                row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), (self._n_vocab,))
-                tok = int(row.argmax())
-            else:
+                tok = sampling.greedy(row)
+            else:  # the chain copies the logits: `row` stays the model's own distribution
                 tok = ll.llama_sampler_sample(seq.sampler, ctx, idx)
-            delta = self._advance(seq, tok)
+            delta = self._advance(seq, tok, row)
             if delta is not None:
                 emits.append((seq.stream, delta))
                 if delta.finish_reason is not None:
@@ -686,18 +719,29 @@ class LlamaCppEngine:
         if emits and self._loop is not None:
             self._loop.call_soon_threadsafe(_deliver, emits)
 
-    def _advance(self, seq: _Sequence, tok: int) -> Delta | None:
+    def _advance(self, seq: _Sequence, tok: int, row: np.ndarray) -> Delta | None:
         seq.last_token = tok
         if self._is_eog(tok):
             return Delta(seq.text.flush(), 0, FinishReason.STOP)
         seq.generated += 1
-        text, stopped = seq.text.push(self._piece(tok))
+        piece = self._piece(tok)
+        text, stopped = seq.text.push(piece)
+        lp = () if seq.params.logprobs is None else (self._logprob(row, tok, seq.params.logprobs),)
         if stopped:
-            return Delta(text, 1, FinishReason.STOP)
+            return Delta(text, 1, FinishReason.STOP, logprobs=lp)
         full = seq.prefilled + seq.generated >= self.info.context_length
         if seq.generated >= seq.params.max_tokens or full:
-            return Delta(text + seq.text.flush(), 1, FinishReason.LENGTH)
-        return Delta(text, 1)
+            return Delta(text + seq.text.flush(), 1, FinishReason.LENGTH, logprobs=lp)
+        return Delta(text, 1, logprobs=lp)
+
+    def _logprob(self, row: np.ndarray, tok: int, top: int) -> TokenLogprob:
+        chosen, best = sampling.logprobs(row, tok, top)
+        alternatives = tuple(TopLogprob(*self._token_text(t), lp) for t, lp in best)
+        return TokenLogprob(*self._token_text(tok), chosen, alternatives)
+
+    def _token_text(self, tok: int) -> tuple[str, bytes]:
+        piece = self._piece(tok)
+        return piece.decode("utf-8", "replace"), piece
 
     def _finish(self, seq: _Sequence, delta: Delta, *, deliver_now: bool) -> None:
         self._release(seq)
@@ -719,9 +763,7 @@ class LlamaCppEngine:
             self._ll.llama_memory_seq_rm(self._mem, sid, -1, -1)
             kept = 0
         self._slot_cache[sid] = seq.prompt[:kept]
-        if seq.sampler is not None:
-            self._ll.llama_sampler_free(seq.sampler)
-            seq.sampler = None
+        self._free_sampler(seq)
         self._free_ids.append(sid)
         self._freed_at[sid] = self._steps
         seq.seq_id = -1
@@ -741,8 +783,10 @@ class LlamaCppEngine:
             delta = Delta("", 0, FinishReason.CANCELLED, message)
             if seq.seq_id >= 0:
                 self._finish(seq, delta, deliver_now=True)
-            elif self._loop is not None:
-                self._loop.call_soon_threadsafe(seq.stream.put, delta)
+            else:
+                self._free_sampler(seq)
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(seq.stream.put, delta)
 
     # --- vocabulary helpers -----------------------------------------------------------------
 

@@ -1,5 +1,9 @@
 """`python -m ember_runtime.server [--config path] [--model path] [--port N] ...`
 
+Before loading the model the runtime checks that the engine's memory (`ember_runtime.memory`,
+the same rule the operator sizes the pod with) fits under the container's cgroup limit, and
+exits 2 with a one-line reason in the termination log when it does not.
+
 SIGTERM (the kubelet's stop signal) stops accepting connections, lets in-flight streams finish
 (bounded by the request timeout), then stops the engine and exits 0.
 """
@@ -8,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -17,12 +22,14 @@ from types import FrameType
 import uvicorn
 
 from ember_runtime.engines.base import EngineUnavailableError
+from ember_runtime.memory import MemoryLimitError, preflight
 from ember_runtime.server.app import create_app
-from ember_runtime.server.settings import load_settings
+from ember_runtime.server.settings import load_settings, resolve_model_path
 from ember_runtime.server.state import AppState
 
 log = logging.getLogger("ember_runtime.server")
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+CGROUP_ROOT_ENV = "EMBER_CGROUP_ROOT"  # tests point it at a fake cgroup; default /sys/fs/cgroup
 
 
 class _DrainingServer(uvicorn.Server):
@@ -63,8 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     config = settings.config
     try:
-        app = create_app(config, model_path=settings.model_path)
-    except (OSError, ValueError, EngineUnavailableError) as exc:
+        model = settings.model_path
+        if config.engine.kind == "llamacpp":
+            model = resolve_model_path(config, model)
+            # Refuse now, with the reason in the termination message (the pod's Degraded
+            # reason), rather than be OOM-killed once the KV cache fills up under load.
+            preflight(config, model, Path(os.environ.get(CGROUP_ROOT_ENV, "/sys/fs/cgroup")))
+        app = create_app(config, model_path=model)
+    except (OSError, ValueError, EngineUnavailableError, MemoryLimitError) as exc:
         log.error("cannot start: %s", exc)
         _write_termination_log(config.termination_log, str(exc))
         return 2

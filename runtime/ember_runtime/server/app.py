@@ -39,6 +39,7 @@ def build_engine(
         )
     from ember_runtime.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
+    modes = config.engine.llamacpp_modes()
     return LlamaCppEngine(
         resolve_model_path(config, model_path),
         context_length=config.engine.context_length,
@@ -46,14 +47,11 @@ def build_engine(
         threads=config.engine.threads,
         max_queue=config.server.max_queue,
         model_id=config.model_name,
-        # engine.args is the CRD's free-form escape hatch. "prefixCache": "true" keeps a finished
-        # prompt's KV cells for reuse by the next request on that seq_id (faster TTFT for
-        # repeated prompts); "repack": "true" uses llama.cpp's repacked weights;
-        # "exactBatching": "false" batches like llama-server. Each is faster and each makes
-        # greedy output depend on the batch, so all are off by default (see engines/llamacpp).
-        prefix_cache=config.engine.args.get("prefixCache", "false").lower() == "true",
-        repack=config.engine.args.get("repack", "false").lower() == "true",
-        exact=config.engine.args.get("exactBatching", "true").lower() == "true",
+        step_tokens=config.engine.step_tokens,
+        deterministic=modes.deterministic,
+        prefix_cache=modes.prefix_cache,
+        repack=modes.repack,
+        kv_unified=modes.kv_unified,
         observer=observer,
     )
 

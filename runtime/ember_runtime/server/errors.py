@@ -14,7 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember_runtime.engines.base import EngineError, EngineStoppingError, QueueFullError
+from ember_runtime.engines.base import (
+    EngineError,
+    EngineStoppingError,
+    InvalidRequestError,
+    QueueFullError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,8 @@ def from_engine_error(exc: EngineError) -> APIError:
             code="queue_full",
             headers={"Retry-After": str(exc.retry_after_seconds)},
         )
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, EngineStoppingError):
         return APIError(503, str(exc), code="shutting_down", headers={"Retry-After": "1"})
     return APIError(500, str(exc), code="engine_error")
@@ -90,6 +97,13 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         if part != "body" and str(part) not in _TYPE_TAGS and "[" not in str(part)
     ]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":  # never ignored silently (see schemas.py)
+        return APIError(
+            400,
+            f"{param} is not a parameter this server supports",
+            param=param,
+            code="unsupported_parameter",
+        )
     where = f"{param}: " if param else ""
     code = "missing" if first.get("type") == "missing" else "invalid_value"
     return APIError(400, f"{where}{first.get('msg', 'invalid value')}", param=param, code=code)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from ember_runtime.engines.base import Delta, FinishReason, GenerationStream
+from ember_runtime.engines.base import Delta, FinishReason, GenerationStream, TokenLogprob
+from ember_runtime.server import logprobs
 from ember_runtime.server.errors import error_body
 from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.schemas import Usage
@@ -25,6 +26,7 @@ from ember_runtime.server.schemas import Usage
 @dataclass(slots=True)
 class Outcome:
     text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -79,6 +81,8 @@ class Generation:
             self.outcome.completion_tokens += delta.n_tokens
         if delta.text:
             self.outcome.text.append(delta.text)
+        if delta.logprobs:
+            self.outcome.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             self.outcome.finish_reason = delta.finish_reason.value
             self.outcome.error = delta.error
@@ -111,9 +115,20 @@ def new_id(prefix: str) -> str:
 class SSEFramer:
     """Builds `data: ...\\n\\n` chunks for completions or chat completions."""
 
-    def __init__(self, *, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        *,
+        chat: bool,
+        model: str,
+        include_usage: bool,
+        logprobs: int | None = None,
+        echo: str = "",
+    ) -> None:
         self.chat = chat
         self.include_usage = include_usage
+        self.logprobs = logprobs  # None: no logprobs; else the number of alternatives
+        self.echo = echo
+        self._offset = len(echo)  # completions' text_offset of the next token
         kind = "chat.completion.chunk" if chat else "text_completion"
         ident = new_id("chatcmpl" if chat else "cmpl")
         head = (
@@ -131,12 +146,25 @@ class SSEFramer:
 
     def opening(self) -> str | None:
         if not self.chat:
-            return None
+            return self.text(self.echo) if self.echo else None
         role = '"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
         return self._head + role + "\n\n"
 
     def text(self, text: str) -> str:
         return self._text_prefix + json.dumps(text, ensure_ascii=False) + self._text_suffix
+
+    def delta(self, delta: Delta) -> str | None:
+        """The chunk for one engine delta (None when it carries nothing to send)."""
+        if self.logprobs is None or not delta.logprobs:
+            return self.text(delta.text) if delta.text else None
+        if self.chat:
+            lp = logprobs.chat(delta.logprobs).model_dump_json()
+        else:
+            entries = logprobs.completion(delta.logprobs, self._offset, top=self.logprobs)
+            lp = entries.model_dump_json()
+            self._offset += sum(len(e.token) for e in delta.logprobs)
+        head = self._text_prefix + json.dumps(delta.text, ensure_ascii=False)
+        return f'{head}{"}" if self.chat else ""},"logprobs":{lp},"finish_reason":null}}]}}\n\n'
 
     def finish(self, reason: str) -> str:
         body = '"delta":{}' if self.chat else '"text":""'
@@ -158,8 +186,9 @@ async def sse_events(gen: Generation, framer: SSEFramer) -> AsyncIterator[str]:
     if opening is not None:
         yield opening
     async for delta in gen.deltas():
-        if delta.text:
-            yield framer.text(delta.text)
+        chunk = framer.delta(delta)
+        if chunk is not None:
+            yield chunk
     reason = gen.outcome.finish_reason
     if reason == "timeout":
         yield framer.error(504, gen.outcome.error or "timeout", "timeout")

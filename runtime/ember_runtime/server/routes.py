@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember_runtime.engines.base import ChatMessage, FinishReason, SamplingParams
+from ember_runtime.server import logprobs
 from ember_runtime.server.errors import APIError
 from ember_runtime.server.generation import Generation, SSEFramer, new_id, sse_events
 from ember_runtime.server.schemas import (
@@ -57,20 +58,36 @@ async def list_models(state: StateDep) -> ModelList:
 
 @api.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
+    _refuse_unsupported(body)
+    if body.echo and not isinstance(body.prompt, str):
+        raise APIError(400, "echo needs a text prompt here", param="echo", code="unsupported")
+    if body.echo and body.logprobs is not None:
+        # OpenAI would score the echoed prompt tokens too; the engine keeps no prompt logits.
+        raise APIError(
+            400, "echo together with logprobs is not supported", param="echo", code="unsupported"
+        )
     if isinstance(body.prompt, str):
         if not body.prompt:
             raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
         tokens = state.engine.tokenize(body.prompt, add_special=True)
     else:
         tokens = _checked_token_ids(body.prompt, state)
-    params = _sampling(body, tokens, state, default_max=_DEFAULT_COMPLETION_TOKENS)
-    return await _respond(body, tokens, params, request, state)
+    params = _sampling(
+        body, tokens, state, default_max=_DEFAULT_COMPLETION_TOKENS, logprobs=body.logprobs
+    )
+    echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+    return await _respond(body, tokens, params, request, state, echo=echo)
 
 
 @api.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep
 ) -> Response:
+    _refuse_unsupported(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(
+            400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
+        )
     # "developer" is OpenAI's newer name for the system role; templates know "system".
     messages = [
         ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in body.messages
@@ -82,8 +99,51 @@ async def chat_completions(
     tokens = state.engine.tokenize(prompt, add_special=False)
     if body.max_completion_tokens is not None:
         body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-    params = _sampling(body, tokens, state, default_max=None)
+    params = _sampling(
+        body,
+        tokens,
+        state,
+        default_max=None,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        grammar=_grammar(body, state),
+    )
     return await _respond(body, tokens, params, request, state)
+
+
+def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    name = body.unsupported()
+    if name is not None:
+        raise APIError(
+            400,
+            f"{name} is not supported by this server",
+            param=name,
+            code="unsupported_parameter",
+        )
+
+
+def _grammar(body: ChatCompletionRequest, state: AppState) -> str | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    _require(state, "grammar", "response_format")
+    from ember_runtime.engines.grammar import for_response_format  # noqa: PLC0415 - llamacpp
+
+    schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+    if fmt.type == "json_schema" and fmt.json_schema is None:
+        raise APIError(
+            400, "response_format json_schema needs json_schema", param="response_format"
+        )
+    return for_response_format(fmt.type, schema)
+
+
+def _require(state: AppState, feature: str, param: str) -> None:
+    if feature not in state.engine.info.features:
+        raise APIError(
+            400,
+            f"{param} is not supported by the {state.engine.info.name} engine",
+            param=param,
+            code="unsupported_parameter",
+        )
 
 
 def _checked_token_ids(ids: list[int], state: AppState) -> list[int]:
@@ -101,6 +161,8 @@ def _sampling(
     state: AppState,
     *,
     default_max: int | None,
+    logprobs: int | None = None,
+    grammar: str | None = None,
 ) -> SamplingParams:
     context = state.engine.info.context_length
     room = context - len(tokens)
@@ -120,6 +182,8 @@ def _sampling(
             param="max_tokens",
             code="context_length_exceeded",
         )
+    if logprobs is not None:
+        _require(state, "logprobs", "logprobs")
     state.metrics.prompt_tokens.inc(len(tokens))
     return SamplingParams(
         max_tokens=wanted,
@@ -127,6 +191,8 @@ def _sampling(
         top_p=body.top_p,
         seed=body.seed,
         stop=body.stop_strings(),
+        logprobs=logprobs,
+        grammar=grammar,
     )
 
 
@@ -136,13 +202,18 @@ async def _respond(
     params: SamplingParams,
     request: Request,
     state: AppState,
+    *,
+    echo: str = "",
 ) -> Response:
     chat = isinstance(body, ChatCompletionRequest)
     engine_stream = state.engine.submit(tokens, params)  # QueueFullError -> 429 right here
     gen = Generation(engine_stream, state.metrics, state.request_timeout, request)
     model = state.engine.info.model_id
+    top = params.logprobs
     if body.stream:
-        framer = SSEFramer(chat=chat, model=model, include_usage=body.include_usage)
+        framer = SSEFramer(
+            chat=chat, model=model, include_usage=body.include_usage, logprobs=top, echo=echo
+        )
         return StreamingResponse(
             sse_events(gen, framer),
             media_type="text/event-stream",
@@ -156,19 +227,28 @@ async def _respond(
     text, reason = "".join(outcome.text), outcome.finish_reason
     created = int(time.time())
     if chat:
+        choice = ChatChoice(
+            message=ChatMessageOut(content=text),
+            finish_reason=reason,
+            logprobs=None if top is None else logprobs.chat(outcome.logprobs),
+        )
         reply = ChatCompletionResponse(
-            id=new_id("chatcmpl"),
-            created=created,
-            model=model,
-            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=reason)],
-            usage=gen.usage,
+            id=new_id("chatcmpl"), created=created, model=model, choices=[choice], usage=gen.usage
         )
         return JSONResponse(reply.model_dump())
     completion = CompletionResponse(
         id=new_id("cmpl"),
         created=created,
         model=model,
-        choices=[CompletionChoice(text=text, finish_reason=reason)],
+        choices=[
+            CompletionChoice(
+                text=echo + text,
+                finish_reason=reason,
+                logprobs=None
+                if top is None
+                else logprobs.completion(outcome.logprobs, len(echo), top=top),
+            )
+        ],
         usage=gen.usage,
     )
     return JSONResponse(completion.model_dump())

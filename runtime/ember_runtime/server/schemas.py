@@ -1,22 +1,46 @@
 """Request and response models of the OpenAI-compatible API.
 
-Requests are strict (a string where a number belongs is a 400, not a silent coercion) but ignore
-fields we do not implement, because OpenAI clients send extras (`user`, `logprobs`, ...).
+Requests are strict (a string where a number belongs is a 400, not a silent coercion), and no
+parameter is silently ignored: every OpenAI parameter is either implemented, or accepted only
+at a value that changes nothing (`UNSUPPORTED`: e.g. `tools` absent or empty), or answered with
+a 400 that names it; a field OpenAI does not define is a 400 too. `user`, `metadata`, `store`
+and `service_tier` pass: they label or route a request at OpenAI and change no output here.
 Streaming chunks are not modelled here: they are built from pre-serialised templates in
-`routes.py`, since they are made once per token.
+`generation.py`, since they are made once per token.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bounds
+MAX_TOP_LOGPROBS = 20
+
+# OpenAI parameters not implemented here, with the values at which they change nothing.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+}
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -33,6 +57,23 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
+    # Pass through: they change nothing here (see the module docstring).
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+    # Not implemented: refused by `unsupported()` unless harmless.
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+
+    def unsupported(self) -> str | None:
+        """The first parameter set to a value this server does not implement, if any."""
+        for name, harmless in UNSUPPORTED.items():
+            if name in type(self).model_fields and getattr(self, name) not in harmless:
+                return name
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -54,6 +95,10 @@ class _Sampling(_Request):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
 
 
 class TextPart(_Request):
@@ -64,6 +109,7 @@ class TextPart(_Request):
 class ChatMessageIn(_Request):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
+    name: str | None = None  # accepted; chat templates here have no place for it
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -71,9 +117,34 @@ class ChatMessageIn(_Request):
         return "".join(part.text for part in self.content)
 
 
+class JSONSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the grammar enforces the schema either way
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
 
 
 class BatchSizeRequest(BaseModel):
@@ -90,10 +161,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -111,10 +189,25 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 

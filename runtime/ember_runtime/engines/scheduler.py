@@ -1,0 +1,127 @@
+"""The scheduling policy of the llama.cpp engine: who joins the next step, and in which calls.
+
+Pure Python, no model: the engine hands it the running sequences (each one only needs its
+prompt length and how much of the prompt is already in the KV cache) and gets back the
+`llama_decode` calls of one step. Unit-tested in tests/runtime/test_scheduler.py.
+
+The rules, and why:
+
+* **Preemption by the thermal limit.** The batch limit (`/admin/batch`, lowered as the device
+  heats) caps how many sequences take part in a step. The oldest keep going; the newest pause
+  with their KV cells kept, so they resume where they stopped once the limit rises again. No
+  work is thrown away, and a stream that started first finishes first.
+* **Admission.** A waiting request joins as soon as a sequence slot is free and the batch
+  limit allows it, at the start of the very next step (no waiting for a "wave" to finish).
+* **Fast mode (default): one call per step**, as llama-server does: one row for every
+  decoding sequence, then prompt chunks in arrival order within `step_tokens` prompt tokens.
+  Decodes always go first, so a burst of new prompts costs the running streams at most one
+  `step_tokens` chunk of extra work per token (their inter-token latency stays bounded),
+  while a long prompt is split over several steps instead of stalling everyone at once.
+  Arrival order (not round-robin) for prompts, because it minimises the mean time to first
+  token and keeps the p99 the same: a burst's last prompt waits for all the prompt tokens
+  before it either way.
+* **Deterministic mode**: a request's greedy output must not depend on its neighbours. On
+  CPU, llama.cpp's kernels change with the number of rows in a call (the engine probes the
+  widest call that still matches single rows, `exact_rows`) and with how a prompt is cut.
+  So decode rows go in calls of at most `exact_rows`, and the first waiting prompt gets one
+  call of its own per step whose boundaries depend only on the prompt itself (multiples of
+  `step_tokens` from position 0): exactly the calls it would get alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+
+class Schedulable(Protocol):
+    """What the policy needs to know about one running sequence."""
+
+    @property
+    def prompt_len(self) -> int: ...
+
+    @property
+    def prefilled(self) -> int:
+        """Prompt tokens already in (or submitted to) the KV cache."""
+
+
+S = TypeVar("S", bound=Schedulable)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk(Generic[S]):
+    """Prompt tokens [start, start + count) of `seq` in one call."""
+
+    seq: S
+    start: int
+    count: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when this chunk holds the prompt's last token (its logits give token one)."""
+        return self.start + self.count == self.seq.prompt_len
+
+
+@dataclass(slots=True)
+class Call(Generic[S]):
+    """One `llama_decode`: a row per decoding sequence, then prompt chunks."""
+
+    decodes: list[S] = field(default_factory=list)
+    chunks: list[Chunk[S]] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return len(self.decodes) + sum(c.count for c in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    deterministic: bool = False
+    step_tokens: int = 256  # prompt tokens per step (fast), the prompt chunk (deterministic)
+    exact_rows: int = 1  # deterministic: the widest decode call, probed at load
+
+    def __post_init__(self) -> None:
+        if self.step_tokens < 1 or self.exact_rows < 1:
+            raise ValueError("step_tokens and exact_rows must be at least 1")
+
+
+def admissible(running: int, waiting: int, max_batch: int, free_slots: int) -> int:
+    """How many waiting requests join now: every one that a free slot and the limit allow."""
+    return max(0, min(waiting, free_slots, max_batch - running))
+
+
+def split_active(running: Sequence[S], max_batch: int) -> tuple[list[S], list[S]]:
+    """(active, paused): the oldest `max_batch` take part in the step, the newest pause."""
+    return list(running[:max_batch]), list(running[max_batch:])
+
+
+def plan_step(active: Sequence[S], policy: Policy) -> list[Call[S]]:
+    """The `llama_decode` calls of one step over `active` (in arrival order)."""
+    decoding = [s for s in active if s.prefilled >= s.prompt_len]
+    prompting = [s for s in active if s.prefilled < s.prompt_len]
+    if policy.deterministic:
+        return _deterministic(decoding, prompting, policy)
+    call: Call[S] = Call(decodes=decoding)
+    budget = policy.step_tokens
+    for seq in prompting:
+        if budget == 0:
+            break
+        take = min(seq.prompt_len - seq.prefilled, budget)
+        call.chunks.append(Chunk(seq, seq.prefilled, take))
+        budget -= take
+    return [call] if call.rows else []
+
+
+def _deterministic(decoding: list[S], prompting: list[S], policy: Policy) -> list[Call[S]]:
+    rows = policy.exact_rows
+    calls: list[Call[S]] = [
+        Call(decodes=decoding[i : i + rows]) for i in range(0, len(decoding), rows)
+    ]
+    if prompting:
+        seq = prompting[0]
+        # The chunk ends at the next multiple of step_tokens: the same cut as alone, even
+        # when the prompt started mid-chunk for some reason (never, with the prefix cache off).
+        end = min(seq.prompt_len, (seq.prefilled // policy.step_tokens + 1) * policy.step_tokens)
+        calls.append(Call(chunks=[Chunk(seq, seq.prefilled, end - seq.prefilled)]))
+    return calls

@@ -1,0 +1,98 @@
+"""The engine's memory rule (ember_runtime.memory) and the runtime's refusal to start when its
+cgroup limit is too small. No model is loaded: the check runs before that."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ember_runtime import memory
+from ember_runtime.config import RuntimeConfig
+
+MIB = 2**20
+
+
+def fake_cgroup(root: Path, limit: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "memory.max").write_text(limit + "\n")
+    return root
+
+
+def test_cgroup_limits(tmp_path: Path) -> None:
+    assert memory.cgroup_memory_limit(fake_cgroup(tmp_path / "a", "max")) is None
+    assert memory.cgroup_memory_limit(fake_cgroup(tmp_path / "b", "1073741824")) == 1 << 30
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "unlimited"
+    assert memory.cgroup_memory_limit(tmp_path / "v1") is None
+    (v1 / "memory.limit_in_bytes").write_text("536870912\n")
+    assert memory.cgroup_memory_limit(tmp_path / "v1") == 512 * MIB
+    assert memory.cgroup_memory_limit(tmp_path / "none") is None
+
+
+def test_kv_cache_grows_with_sequences_and_context(model_path: Path) -> None:
+    shape = memory.read_gguf_shape(model_path)
+    one = memory.engine_memory(shape, context=512, sequences=1)
+    many = memory.engine_memory(shape, context=512, sequences=16)
+    longer = memory.engine_memory(shape, context=2048, sequences=16)
+    assert many.kv_cache == 16 * one.kv_cache
+    assert longer.kv_cache == 4 * many.kv_cache
+    assert many.compute_buffer > one.compute_buffer  # 16 decode rows more per micro-batch
+
+
+def test_check_limit_says_why_in_one_line(model_path: Path) -> None:
+    need = memory.engine_memory(memory.read_gguf_shape(model_path), context=2048, sequences=16)
+    memory.check_limit(need, 300 * MIB, None)  # unlimited
+    memory.check_limit(need, 300 * MIB, need.total + 300 * MIB)  # exactly enough
+    with pytest.raises(memory.MemoryLimitError) as info:
+        memory.check_limit(need, 300 * MIB, need.total)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("memory: needs ")
+    assert "KV cache 576" in message and "maxBatchSize" in message
+
+
+def test_prewarmed_weights_are_not_charged_to_the_container(
+    model_path: Path, tmp_path: Path
+) -> None:
+    config = RuntimeConfig(model_name="m", model_dir=str(model_path.parent))
+    need = memory.engine_memory(memory.read_gguf_shape(model_path), context=2048, sequences=16)
+    just_enough = fake_cgroup(tmp_path / "cg", str(need.total))
+    with pytest.raises(memory.MemoryLimitError):  # the mapped file's page cache counts
+        memory.preflight(config, model_path, just_enough)
+    prewarmed = config.model_copy(update={"prewarm_dir": str(model_path.parent)})
+    assert memory.preflight(prewarmed, model_path, just_enough) == need
+
+
+def test_runtime_refuses_to_start_under_a_small_limit(model_path: Path, tmp_path: Path) -> None:
+    log = tmp_path / "termination-log"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "modelName": "gemma",
+                "modelDir": str(model_path.parent),
+                "engine": {"contextLength": 2048, "maxBatchSize": 16},
+                "terminationLog": str(log),
+            }
+        )
+    )
+    env = {**os.environ, "EMBER_CGROUP_ROOT": str(fake_cgroup(tmp_path / "cg", str(256 * MIB)))}
+    env.pop("EMBER_CONFIG", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "ember_runtime.server", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    reason = log.read_text()
+    assert reason.startswith("memory: needs ") and "\n" not in reason
+    assert "container limit is 256 MiB" in reason
+    assert "llama.cpp engine ready" not in done.stderr  # refused before loading the model
