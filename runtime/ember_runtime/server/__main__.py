@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     config = settings.config
     try:
-        app = create_app(config, model_path=settings.model_path)
+        app = create_app(config, model_path=settings.model_path, config_path=settings.config_path)
     except (OSError, ValueError, EngineUnavailableError) as exc:
         log.error("cannot start: %s", exc)
         _write_termination_log(config.termination_log, str(exc))
