@@ -157,3 +157,12 @@ async def test_transition_time_moves_only_when_status_flips() -> None:
         task.cancel()
     times = [c["lastTransitionTime"] for c in rec.conditions]
     assert times[1] == "2020-01-01T00:00:00Z" and times[2] != times[1]
+
+
+def test_node_agent_classifies_the_hottest_sensor() -> None:
+    from ember_runtime.nodeagent.__main__ import node_reading
+
+    assert node_reading(POLICY, {"a": 60.0, "b": 76.0}) == ThermalReading("Throttled", 76)
+    assert node_reading(POLICY, {"a": 74.9}).reason == "Normal"  # below throttle − hysteresis
+    assert node_reading(POLICY, {"a": 90.0}).reason == "Critical"
+    assert node_reading(POLICY, {}) == ThermalReading("NoReading", None)
