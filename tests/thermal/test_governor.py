@@ -4,6 +4,8 @@ that records or fails, the real policy."""
 from __future__ import annotations
 
 import asyncio
+import ssl
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -166,3 +168,29 @@ def test_node_agent_classifies_the_hottest_sensor() -> None:
     assert node_reading(POLICY, {"a": 74.9}).reason == "Normal"  # below throttle − hysteresis
     assert node_reading(POLICY, {"a": 90.0}).reason == "Critical"
     assert node_reading(POLICY, {}) == ThermalReading("NoReading", None)
+
+
+def test_no_api_access_means_no_reporter_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from ember_runtime.config import RuntimeConfig, SensorSettings
+    from ember_runtime.server.app import pod_reporter
+
+    config = RuntimeConfig(
+        model_name="m", model_dir="/m", sensors=SensorSettings(report_condition=True)
+    )
+    monkeypatch.setenv("POD_NAME", "p")
+    monkeypatch.setenv("POD_NAMESPACE", "ns")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert pod_reporter(config) is None  # not in a pod
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("EMBER_SERVICEACCOUNT_DIR", str(tmp_path))
+    assert pod_reporter(config) is None  # no token mounted
+    (tmp_path / "token").write_text("t")
+    (tmp_path / "ca.crt").write_text("not a certificate")
+    assert pod_reporter(config) is None  # a broken CA bundle: still serving
+    (tmp_path / "ca.crt").write_text(
+        Path(ssl.get_default_verify_paths().openssl_cafile).read_text()
+    )
+    reporter = pod_reporter(config)
+    assert reporter is not None and reporter.band_celsius == 2.0

@@ -72,7 +72,19 @@ def pod_reporter(config: RuntimeConfig) -> ConditionReporter | None:
     if not name or not namespace:
         log.warning("sensors.reportCondition is on but POD_NAME/POD_NAMESPACE are not set")
         return None
-    patcher = ConditionPatcher(Endpoint.in_cluster(), pod_status_path(namespace, name))
+    try:
+        endpoint = Endpoint.in_cluster()
+    except RuntimeError as exc:  # serving matters more than reporting: say so and go on
+        log.warning("thermal condition reports off: %s", exc)
+        return None
+    if not endpoint.token_file.is_file():
+        log.warning("thermal condition reports off: no token at %s", endpoint.token_file)
+        return None
+    try:
+        patcher = ConditionPatcher(endpoint, pod_status_path(namespace, name))
+    except OSError as exc:  # e.g. an unreadable CA bundle
+        log.warning("thermal condition reports off: %s", exc)
+        return None
     return ConditionReporter(patcher, band_celsius=config.thermal.celsius_per_step)
 
 
