@@ -1,6 +1,6 @@
 """Start the real runtime (`python -m ember_runtime.server`) as a process with a fake thermal tree.
 
-Used by the poller tests and by bench/thermal_bench.py. The process is the one a pod runs: real
+Used by the thermal tests and by bench/thermal_bench.py. The process is the one a pod runs: real
 engine, real model, real HTTP; only the sysfs root points at a temp dir.
 """
 
