@@ -6,8 +6,8 @@ its thread pool) except where noted.
 - One watch over Ember's pods (an index of small summaries + an event handler) → the owner's
   status, on change only, and the hot-node queue (`thermal.nodes`).
 - Deployments' events → status (rollout progress) and repair of deleted children.
-- Nodes' `ember.dev/Thermal` conditions (the node agent's) → the hot-node queue, which releases
-  the taint once a vacated node reports it has cooled.
+- The hot-node queue (`thermal.nodes`) re-reads only the nodes it tainted and releases each once
+  the node agent's `ember.dev/Thermal` condition says it has cooled.
 
 The operator never calls a runtime: no network path to pods, no API-key Secrets.
 """
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
-from ember_runtime.config import REASON_CRITICAL, THERMAL_CONDITION, parse_thermal_condition
+from ember_runtime.config import REASON_CRITICAL, parse_thermal_condition
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -44,7 +44,6 @@ from ember_operator.reconcile import (
 )
 from ember_operator.settings import load_settings
 from ember_operator.status_writer import Observation, StatusWriter
-from ember_operator.thermal.actions import HOT_TAINT_KEY
 from ember_operator.thermal.nodes import HotNodes, Replica
 
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -335,21 +334,6 @@ def pod_event(**kwargs: Any) -> None:
             critical = reading is not None and reading.reason == REASON_CRITICAL
             ctx.hot.observe_pod(replica, critical, _window(ctx, kwargs, key))
     refresh(ctx, key, kwargs, kwargs["logger"])
-
-
-def _reports_thermal(body: kopf.Body, **_: Any) -> bool:
-    conditions = (body.get("status") or {}).get("conditions") or []
-    taints = (body.get("spec") or {}).get("taints") or []
-    return any(c.get("type") == THERMAL_CONDITION for c in conditions) or any(
-        t.get("key") == HOT_TAINT_KEY for t in taints
-    )
-
-
-@kopf.on.event("v1", "nodes", when=_reports_thermal)
-def node_event(body: kopf.Body, name: str | None, memo: kopf.Memo, **_: Any) -> None:
-    """The node agent's report: the only one left once a hot node's replicas are evicted."""
-    reading = parse_thermal_condition((body.get("status") or {}).get("conditions"))
-    memo.ctx.hot.observe_node(str(name), None if reading is None else reading.reason)
 
 
 # ----------------------------------------------------------------------------- children

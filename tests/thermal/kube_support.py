@@ -26,9 +26,9 @@ RUNTIME_ROLE = "ember-runtime"
 RUNTIME_POLICY = "ember-runtime-own-pod"
 
 
-def chart_objects(*templates: str) -> list[dict[str, Any]]:
+def chart_objects(*templates: str, namespace: str = "ember-system") -> list[dict[str, Any]]:
     helm = str(ensure_binaries() / "helm")
-    argv = [helm, "template", "ember", str(CHART), "--namespace", "ember-system"]
+    argv = [helm, "template", "ember", str(CHART), "--namespace", namespace]
     argv += ["--kube-version", "1.36.3"]
     for template in templates:
         argv += ["--show-only", f"templates/{template}"]

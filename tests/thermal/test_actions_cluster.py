@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 from ember_operator.thermal import actions
 from ember_operator.thermal.actions import EvictionResult
-from ember_operator.thermal.nodes import EVICTION_RETRY_SECONDS, HotNodes, Replica
+from ember_operator.thermal.nodes import (
+    CHECK_SECONDS,
+    EVICTION_RETRY_SECONDS,
+    HotNodes,
+    Replica,
+)
+from ember_runtime.config import ThermalReading, thermal_condition
 from kubernetes import client
 
 from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest, wait_schedulable
@@ -53,6 +59,12 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 300) -> Any:
             return value
         time.sleep(0.25)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def report(core: client.CoreV1Api, node: str, reading: ThermalReading) -> None:
+    """What the node agent writes: its condition, strategic-merged into the node's status."""
+    cond = thermal_condition(reading, "2026-01-01T00:00:00Z")
+    core.patch_node_status(node, {"status": {"conditions": [cond]}})
 
 
 def taint_keys(core: client.CoreV1Api, node: str) -> list[str]:
@@ -177,11 +189,15 @@ def test_critical_node_is_vacated_then_released(
         lambda: [p for p in _running_pods(core, namespace, "infer") if p.spec.node_name == b],
     )
     assert moved[0].metadata.name != first.metadata.name
-    hot.observe_node(a, "Throttled")  # the node agent: cooler, not cool enough
-    assert hot_taint(core, a)
-    hot.observe_node(a, "Normal")
+    # The node agent's reports on A (as it writes them), read by the queue's checks.
+    report(core, a, ThermalReading("Throttled", 80))  # cooler, not cool enough
+    clock[0] += CHECK_SECONDS
+    assert hot.run_due() == [] and hot_taint(core, a)
+    report(core, a, ThermalReading("Normal", 70))
+    clock[0] += CHECK_SECONDS
+    assert hot.run_due() == [f"untainted {a}"]
     assert not hot_taint(core, a)
-    assert hot.done[-1] == f"untainted {a}"
+    assert hot.next_due() is None  # nothing left to look at
 
     events: list[Any] = core.list_namespaced_event(namespace).items
     reasons = {e.reason for e in events if e.involved_object.name == "infer"}

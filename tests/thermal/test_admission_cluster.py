@@ -8,6 +8,7 @@ import asyncio
 import json
 import ssl
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,8 @@ def _admitted_eventually(http: httpx.Client, namespace: str, pod: str) -> None:
     """A new policy takes a moment to load: wait until a label write is refused by it."""
     deadline = time.monotonic() + 30
     while True:
-        resp = _patch(http, namespace, pod, {"metadata": {"labels": {"probe": "x"}}})
+        # A new value each time: re-writing the value an admitted probe set would be no change.
+        resp = _patch(http, namespace, pod, {"metadata": {"labels": {"probe": uuid.uuid4().hex}}})
         if resp.status_code >= 400 and "labels" in resp.text:
             return
         assert time.monotonic() < deadline, f"the policy never applied: {resp.text}"

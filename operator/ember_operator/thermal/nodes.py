@@ -1,14 +1,21 @@
-"""Hot nodes: one operator-wide queue of delayed actions, fed by watch events.
+"""Hot nodes: one operator-wide queue of delayed actions.
 
-Inputs (from the pod and node watches, never polled):
-- a replica's `ember.dev/Thermal` condition: `Critical` marks its node critical, with that
-  InferenceDeployment's `criticalForSeconds` as the window;
-- the node agent's `ember.dev/Thermal` condition on the Node: the only report left once a tainted
-  node's replicas are gone, so it is what releases the taint (`Normal`: below the policy's
+Inputs:
+- a replica's `ember.dev/Thermal` condition, from the operator's pod watch: `Critical` marks its
+  node critical, with that InferenceDeployment's `criticalForSeconds` as the window;
+- the node agent's `ember.dev/Thermal` condition on a tainted Node: the only report left once its
+  replicas are gone, so it is what releases the taint (`Normal`: below the policy's
   throttle − hysteresis).
 
 Delayed work — the end of a critical window, a retry of an eviction a PodDisruptionBudget
-blocked — goes into one heap served by one task, instead of a timer per object.
+blocked, the next look at a tainted node's condition — goes into one heap served by one task,
+instead of a timer per object.
+
+Why tainted nodes are re-read (every `CHECK_SECONDS`) rather than watched: a watch over Nodes
+would make the operator serve a cluster-scoped resource even when it serves a few namespaces
+(Kopf's namespaced peering does not cover it), and every node status update of the fleet would
+cross it. Tainted nodes are few — none in a healthy fleet — so reading just those costs one GET
+per hot node per 10 s and nothing otherwise.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from ember_operator.thermal.actions import EvictionResult, ObjectRef
 log = logging.getLogger(__name__)
 
 EVICTION_RETRY_SECONDS = 10.0
+CHECK_SECONDS = 10.0
 DEFAULT_WINDOW_SECONDS = 60.0
+VACATE, CHECK = "vacate", "check"
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ class HotNodes:
         self.core, self._clock = core, clock
         self.nodes: dict[str, NodeState] = {}
         self.replicas: dict[str, set[Replica]] = {}  # node -> Ember pods on it
-        self._heap: list[tuple[float, str]] = []
+        self._heap: list[tuple[float, str, str]] = []  # (due, what, node)
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.done: list[str] = []  # what was done, newest last (tests and logs)
@@ -78,6 +87,7 @@ class HotNodes:
         with self.lock:
             for name in names:
                 self.nodes.setdefault(name, NodeState()).tainted = True
+                self._schedule(self._clock(), CHECK, name)
 
     def observe_pod(self, replica: Replica, critical: bool, window: float | None) -> None:
         with self.lock:
@@ -126,12 +136,12 @@ class HotNodes:
             return
         if state.critical_since is None:
             state.critical_since = self._clock()
-            self._schedule(state.critical_since + state.window, node)
+            self._schedule(state.critical_since + state.window, VACATE, node)
 
     # --- the queue ---------------------------------------------------------------------------
 
-    def _schedule(self, due: float, node: str) -> None:
-        heapq.heappush(self._heap, (due, node))
+    def _schedule(self, due: float, what: str, node: str) -> None:
+        heapq.heappush(self._heap, (due, what, node))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
@@ -147,8 +157,11 @@ class HotNodes:
         done: list[str] = []
         now = self._clock()
         while self._heap and self._heap[0][0] <= now:
-            _, node = heapq.heappop(self._heap)
-            done += self._vacate_if_still_critical(node, now)
+            _, what, node = heapq.heappop(self._heap)
+            if what == VACATE:
+                done += self._vacate_if_still_critical(node, now)
+            else:
+                done += self._check_tainted(node, now)
         self.done += done
         return done
 
@@ -164,9 +177,9 @@ class HotNodes:
             try:
                 for line in await asyncio.to_thread(self.run_due):
                     log.info("hot node: %s", line)
-            except Exception:  # one failed API call must not stop the queue; retry later
-                log.exception("hot-node action failed; retrying")
-                self._schedule(self._clock() + EVICTION_RETRY_SECONDS, "")
+            except Exception:  # one failed API call must not stop the queue; its entry is gone,
+                # but the next report (or check) queues it again
+                log.exception("hot-node action failed")
 
     # --- actions -----------------------------------------------------------------------------
 
@@ -186,6 +199,8 @@ class HotNodes:
                 f"critical for ≥ {state.window:.0f} s: {actions.HOT_TAINT_KEY} taint added",
                 "Warning",
             )
+        if not state.tainted:
+            self._schedule(now + CHECK_SECONDS, CHECK, node)
         state.tainted = True
         blocked = False
         for replica in sorted(self.replicas.get(node, set()), key=lambda r: r.pod):
@@ -206,8 +221,19 @@ class HotNodes:
                 done.append(f"eviction of {replica.pod} blocked by PDB")
                 blocked = True
         if blocked:  # the PDB allows no disruption now: try again shortly, from the same queue
-            heapq.heappush(self._heap, (now + EVICTION_RETRY_SECONDS, node))
+            self._schedule(now + EVICTION_RETRY_SECONDS, VACATE, node)
         return done
+
+    def _check_tainted(self, node: str, now: float) -> list[str]:
+        """Read a tainted node's own report; release it when cool, else look again later."""
+        state = self.nodes.get(node)
+        if state is None or not state.tainted:
+            return []
+        before = len(self.done)
+        self._observe_node(node, actions.node_thermal_reason(self.core, node))
+        if state.tainted:
+            self._schedule(now + CHECK_SECONDS, CHECK, node)
+        return self.done[before:]
 
     def _release(self, node: str, why: str) -> None:
         state = self.nodes.setdefault(node, NodeState())
@@ -215,6 +241,7 @@ class HotNodes:
         state.tainted = False
         if changed:
             self.done.append(f"untainted {node}")
+            log.info("hot node: untainted %s (%s)", node, why)
             actions.record_event(
                 self.core,
                 ObjectRef("v1", "Node", node),
