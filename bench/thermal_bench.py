@@ -1,19 +1,21 @@
-"""Does the thermal loop pay? Static max batch 16 vs the adaptive loop on an emulated hot device.
+"""Does thermal control pay? Static max batch 16 vs the runtime's own governor on a hot device.
 
 The runtime (real engine, real model) reads its temperature from a fake thermal tree; the bench
 ramps it 70 → 92 → 70 °C (a triangle over `--duration` s) and, like a throttling NPU, caps the
 runtime's CPU with a cgroup v1 quota that falls linearly from 100% of `--cpus` at 70 °C to 45%
 at 92 °C (the field report's figure). 8 streaming clients keep the server busy. Two runs:
 
-  (a) static   — max batch stays 16;
-  (b) adaptive — the operator's real poller (`ember_operator.thermal.poller`) polls
-                 `/admin/state` every second and pushes `PUT /admin/batch` with the policy.
+  (a) static   — `thermal.adaptive: false`: max batch stays 16;
+  (b) adaptive — the runtime's own governor (`ember_runtime.thermal.governor`) applies the policy
+                 from its config at every sensor sample (`--interval`, 0.25 s), no network.
 
 Reported per temperature band (cool < 78, warm 78–86, hot ≥ 86 °C): inter-token latency p50/p99
-and output tok/s, plus reaction times (crossing → batch change seen by the runtime), as a table
-and a PNG (temperature, CPU quota, max batch, p99 ITL over time, both runs).
+and output tok/s, plus reaction times (the sensor file's crossing → the batch limit in force,
+read from `/admin/state` every 50 ms), as a table, JSON and a PNG (temperature, CPU quota, max
+batch, p99 ITL over time, both runs) under bench/results/thermal_bench.{md,json,png}.
 
     sudo .venv/bin/python bench/thermal_bench.py [--duration 120] [--clients 8] [--step 2]
+                                                  [--interval 0.25]
 
 Needs root (cgroup v1 at /sys/fs/cgroup/cpu) and the model (`ember_runtime.models`).
 """
@@ -36,8 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ember_operator.thermal.policy import ThermalLimits
-from ember_operator.thermal.poller import Replica, ReplicaPoller
+from ember_runtime.config import ThermalPolicy
 
 from tests.thermal.conftest import FakeThermalTree
 from tests.thermal.runtime_proc import RuntimeProcess, start_runtime
@@ -141,18 +142,19 @@ async def driver(
     stop.set()
 
 
-async def controller(
-    url: str, limits: ThermalLimits, start: float, out: Series, stop: asyncio.Event
-) -> None:
-    async with ReplicaPoller(concurrency=1) as poller:
+async def watcher(url: str, start: float, out: Series, stop: asyncio.Event) -> None:
+    """Every batch-limit change the governor makes, timed to within 50 ms."""
+    previous: int | None = None
+    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
         while not stop.is_set():
-            for obs in await poller.poll([Replica("bench", "local", url)], limits):
-                if obs.changed_from is not None and obs.max_batch_size is not None:
-                    out.changes.append((time.monotonic() - start, obs.max_batch_size))
-            await asyncio.sleep(1.0)
+            batch = int((await http.get("/admin/state")).json()["maxBatchSize"])
+            if previous is not None and batch != previous:
+                out.changes.append((time.monotonic() - start, batch))
+            previous = batch
+            await asyncio.sleep(0.05)
 
 
-async def one_run(adaptive: bool, args: argparse.Namespace, limits: ThermalLimits) -> Series:
+async def one_run(adaptive: bool, args: argparse.Namespace, limits: ThermalPolicy) -> Series:
     work = Path(tempfile.mkdtemp(prefix="thermal-bench-"))
     tree = FakeThermalTree(work / "sys")
     tree.zone(0, "npu-thermal", LOW)
@@ -160,10 +162,11 @@ async def one_run(adaptive: bool, args: argparse.Namespace, limits: ThermalLimit
         work,
         tree.root,
         max_batch=16,
-        min_batch=limits.min_batch,
+        min_batch=limits.min_batch_size,
         context=args.context,
-        interval=1.0,
+        interval=args.interval,
         threads=args.threads,
+        thermal=limits.model_copy(update={"adaptive": adaptive}),
     )
     cap = CpuCap(proc.proc.pid, args.cpus)
     out, stop = Series(), asyncio.Event()
@@ -173,8 +176,7 @@ async def one_run(adaptive: bool, args: argparse.Namespace, limits: ThermalLimit
             asyncio.create_task(client_loop(proc.url, stop, start, out, args.max_tokens))
             for _ in range(args.clients)
         ]
-        if adaptive:
-            tasks.append(asyncio.create_task(controller(proc.url, limits, start, out, stop)))
+        tasks.append(asyncio.create_task(watcher(proc.url, start, out, stop)))
         await driver(proc, tree, cap, duration=args.duration, start=start, out=out, stop=stop)
         _, pending = await asyncio.wait(tasks, timeout=60)
         for task in pending:
@@ -210,28 +212,37 @@ def _edge(run: Series, duration: float, heating: bool, celsius: float) -> float 
     return None
 
 
-def reactions(run: Series, limits: ThermalLimits, duration: float) -> list[str]:
+def reaction_delays(
+    run: Series, limits: ThermalPolicy, duration: float
+) -> list[tuple[str, float, int, float | None]]:
     """Delay from the temperature crossing that allows a batch to the runtime running it.
 
     Heating: batch b is due once T >= throttle + (16 − b)·step. Cooling: b is allowed once a
     reading `hysteresis` hotter would allow it (T < throttle + (17 − b)·step − hyst), and 16
     once T < throttle − hysteresis.
     """
-    lines = []
+    out: list[tuple[str, float, int, float | None]] = []
     thr, step, hyst = limits.throttle_celsius, limits.celsius_per_step, limits.hysteresis_celsius
-    previous = limits.max_batch
+    previous = limits.max_batch_size
     for when, batch in run.changes:
         heating = batch < previous
         previous = batch
         if heating:
             edge = _edge(run, duration, True, thr + (16 - batch) * step)
-        elif batch == limits.max_batch:
+        elif batch == limits.max_batch_size:
             edge = _edge(run, duration, False, thr - hyst)
         else:
             edge = _edge(run, duration, False, thr + (17 - batch) * step - hyst)
         phase = "heating" if heating else "cooling"
-        delay = f"{when - edge:4.1f}s after its crossing" if edge is not None else "n/a"
-        lines.append(f"{phase}: → {batch:2d} at {when:6.1f}s, {delay}")
+        out.append((phase, when, batch, None if edge is None else when - edge))
+    return out
+
+
+def reactions(run: Series, limits: ThermalPolicy, duration: float) -> list[str]:
+    lines = []
+    for phase, when, batch, delay in reaction_delays(run, limits, duration):
+        text = f"{delay:4.2f}s after its crossing" if delay is not None else "n/a"
+        lines.append(f"{phase}: → {batch:2d} at {when:6.1f}s, {text}")
     return lines
 
 
@@ -264,7 +275,7 @@ def plot(static: Series, adaptive: Series, path: Path) -> None:
     axes[3].set_xlabel("seconds")
     for ax in axes[2:]:
         ax.legend()
-    fig.suptitle("Ember thermal loop: static vs adaptive max batch")
+    fig.suptitle("Ember thermal governor (in the runtime): static vs adaptive max batch")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -300,17 +311,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cpus", type=float, default=1.0, help="nominal CPU quota (cores) at 70 °C")
     p.add_argument("--step", type=float, default=2.0, help="thermal.celsiusPerStep")
+    p.add_argument("--interval", type=float, default=0.25, help="sensor sampling period, s")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if not CGROUP_CPU.joinpath("cpu.cfs_quota_us").exists() or os.geteuid() != 0:
         sys.exit("needs root and cgroup v1 (/sys/fs/cgroup/cpu) to emulate the throttling device")
-    limits = ThermalLimits(
-        max_batch=16, min_batch=4, throttle_celsius=78, celsius_per_step=args.step
+    limits = ThermalPolicy(
+        max_batch_size=16, min_batch_size=4, throttle_celsius=78, celsius_per_step=args.step
     )
     static = asyncio.run(one_run(False, args, limits))
     adaptive = asyncio.run(one_run(True, args, limits))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"thermal_bench_step{args.step:g}_c{args.clients}"
+    stem = args.out / "thermal_bench"
     plot(static, adaptive, stem.with_suffix(".png"))
     report = "\n".join(
         [
@@ -327,6 +339,19 @@ def main() -> None:
         ]
     )
     stem.with_suffix(".md").write_text(report + "\n")
+    delays = reaction_delays(adaptive, limits, args.duration)
+    figures = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "static": band_stats(static, args.duration),
+        "adaptive": band_stats(adaptive, args.duration),
+        "reactions": [
+            {"phase": p, "at": w, "batch": b, "delaySeconds": d} for p, w, b, d in delays
+        ],
+        "maxHeatingReactionSeconds": max(
+            (d for p, _, _, d in delays if p == "heating" and d is not None), default=None
+        ),
+    }
+    stem.with_suffix(".json").write_text(json.dumps(figures, indent=2) + "\n")
     print(report)
     print(f"plot: {stem.with_suffix('.png')}")
 

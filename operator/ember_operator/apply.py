@@ -38,6 +38,9 @@ KINDS: dict[str, KindInfo] = {
     "Service": KindInfo("/api/v1", "services"),
     "Deployment": KindInfo("/apis/apps/v1", "deployments"),
     "PodDisruptionBudget": KindInfo("/apis/policy/v1", "poddisruptionbudgets"),
+    # Per served namespace, not per object: the runtime's identity (see reconcile.ensure_identity).
+    "ServiceAccount": KindInfo("/api/v1", "serviceaccounts"),
+    "RoleBinding": KindInfo("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
 }
 
 

@@ -20,11 +20,13 @@ from ember_runtime.config import (
     RuntimeConfig,
     SensorSettings,
     ServerSettings,
+    ThermalPolicy,
 )
 
 from ember_operator import quantity
 from ember_operator.api import API_VERSION, KIND
 from ember_operator.api.models import AcceleratorKind, InferenceDeploymentSpec
+from ember_operator.api.models import ThermalPolicy as PolicyKind
 from ember_operator.settings import MANAGED_BY, OperatorSettings
 from ember_operator.sizing import Sizing
 
@@ -35,6 +37,7 @@ EXTENDED_RESOURCE = {
     AcceleratorKind.NPU: "ember.dev/npu",
 }
 API_KEY_DIR = "/etc/ember/api-key"
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 PREWARM_OVERHEAD_BYTES = 128 * quantity.MIB
 
 
@@ -127,7 +130,6 @@ def runtime_config(
             kind=spec.engine.kind.value,
             context_length=spec.engine.context_length,
             max_batch_size=spec.engine.max_batch_size,
-            min_batch_size=spec.engine.min_batch_size,
             threads=sizing.threads,
             deterministic=spec.engine.deterministic,
             args=dict(spec.engine.args),
@@ -139,7 +141,23 @@ def runtime_config(
         sensors=SensorSettings(
             sysfs_root=settings.host_sys_mount if _fake_sysfs(settings) else "/sys",
             nvml=spec.accelerator.kind == AcceleratorKind.NVIDIA_GPU,
+            report_condition=True,
         ),
+        thermal=thermal_policy(spec),
+    )
+
+
+def thermal_policy(spec: InferenceDeploymentSpec) -> ThermalPolicy:
+    """The spec's thermal policy as the runtime applies it (the batch bounds come from engine)."""
+    t = spec.thermal
+    return ThermalPolicy(
+        adaptive=t.policy == PolicyKind.ADAPTIVE,
+        max_batch_size=spec.engine.max_batch_size,
+        min_batch_size=spec.engine.min_batch_size,
+        throttle_celsius=float(t.throttle_celsius),
+        critical_celsius=float(t.critical_celsius),
+        celsius_per_step=float(t.celsius_per_step),
+        critical_for_seconds=float(t.critical_for_seconds),
     )
 
 
@@ -155,6 +173,45 @@ def config_data(
         "config.yaml": runtime_config(spec, settings, sizing).to_yaml(),
         "sizing.yaml": yaml.safe_dump(sizing.as_dict(), sort_keys=True),
     }
+
+
+def restart_hash(spec: InferenceDeploymentSpec, settings: OperatorSettings, sizing: Sizing) -> str:
+    """The pod template's config hash: the config without its thermal policy, which running
+    runtimes reload from the mounted file (a policy change must not restart replicas)."""
+    return config_hash(
+        {
+            "config.yaml": runtime_config(spec, settings, sizing).restart_relevant_yaml(),
+            "sizing.yaml": yaml.safe_dump(sizing.as_dict(), sort_keys=True),
+        }
+    )
+
+
+def runtime_identity(namespace: str, settings: OperatorSettings) -> list[dict[str, Any]]:
+    """The runtime's ServiceAccount and its RoleBinding to the chart's ClusterRole (patch
+    pods/status only; the chart's ValidatingAdmissionPolicy narrows it to the pod's own
+    ember.dev/Thermal condition)."""
+    labels = {"app.kubernetes.io/name": "ember", "app.kubernetes.io/managed-by": MANAGED_BY}
+    name = settings.runtime_service_account
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels},
+            # Only the runtime container gets a token, through its own projected volume.
+            "automountServiceAccountToken": False,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": settings.runtime_cluster_role,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+    ]
 
 
 def config_hash(data: dict[str, str]) -> str:
@@ -239,11 +296,37 @@ def _volumes_and_mounts(
         secret = {"secretName": ref.name, "items": [{"key": ref.key, "path": ref.key}]}
         volumes.append({"name": "api-key", "secret": secret})
         runtime.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+    # The runtime's API token (it patches its own pod's status), in the runtime container only:
+    # prewarm and anything else in the pod get none. The kubelet binds it to the pod, which is
+    # what the admission policy checks.
+    volumes.append(_token_volume())
+    runtime.append({"name": "kube-api-access", "mountPath": SA_MOUNT, "readOnly": True})
     if _fake_sysfs(settings):
         host = {"path": settings.sensors_sysfs_root, "type": "Directory"}
         volumes.append({"name": "sensors", "hostPath": host})
         runtime.append({"name": "sensors", "mountPath": settings.host_sys_mount, "readOnly": True})
     return volumes, runtime, prewarm
+
+
+def _token_volume() -> dict[str, Any]:
+    """What `automountServiceAccountToken` would mount, as an explicit projected volume."""
+    namespace = {"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}
+    return {
+        "name": "kube-api-access",
+        "projected": {
+            "defaultMode": 0o444,
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {
+                    "configMap": {
+                        "name": "kube-root-ca.crt",
+                        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                    }
+                },
+                {"downwardAPI": {"items": [namespace]}},
+            ],
+        },
+    }
 
 
 def _env_vars(settings: OperatorSettings) -> list[dict[str, Any]]:
@@ -253,7 +336,7 @@ def _env_vars(settings: OperatorSettings) -> list[dict[str, Any]]:
     def limit(resource: str) -> dict[str, Any]:
         return {"resourceFieldRef": {"containerName": "runtime", "resource": resource}}
 
-    return [
+    env: list[dict[str, Any]] = [
         {"name": "EMBER_CONFIG", "value": f"{settings.config_mount}/config.yaml"},
         {"name": "POD_NAME", "valueFrom": field("metadata.name")},
         {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
@@ -261,6 +344,12 @@ def _env_vars(settings: OperatorSettings) -> list[dict[str, Any]]:
         {"name": "EMBER_CPU_LIMIT", "valueFrom": limit("limits.cpu")},
         {"name": "EMBER_MEMORY_LIMIT", "valueFrom": limit("limits.memory")},
     ]
+    if settings.runtime_api_server_host:  # like the operator's own override (no kube-proxy)
+        env += [
+            {"name": "KUBERNETES_SERVICE_HOST", "value": settings.runtime_api_server_host},
+            {"name": "KUBERNETES_SERVICE_PORT", "value": str(settings.runtime_api_server_port)},
+        ]
+    return env
 
 
 def render(
@@ -292,7 +381,7 @@ def render(
         "sizing": sizing,
         "image": spec.image or settings.runtime_image,
         "config_data": data,
-        "config_hash": config_hash(data),
+        "config_hash": restart_hash(spec, settings, sizing),
         "node_selector": dict(spec.placement.node_selector),
         "tolerations": [
             t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations

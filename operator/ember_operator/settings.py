@@ -61,6 +61,22 @@ class OperatorSettings(BaseSettings):
         "on test fleets): mounted read-only at `host_sys_mount` in the runtime container.",
     )
     host_sys_mount: str = "/host-sys"
+    runtime_service_account: str = Field(
+        default="ember-runtime",
+        description="ServiceAccount the runtime pods run as; the operator creates it (and its "
+        "RoleBinding) in every namespace that has an InferenceDeployment.",
+    )
+    runtime_api_server_host: str = Field(
+        default="",
+        description="Only for clusters without a working `kubernetes` Service (no kube-proxy): "
+        "the API server address runtime pods report their condition to.",
+    )
+    runtime_api_server_port: int = Field(default=443, ge=1, le=65535)
+    runtime_cluster_role: str = Field(
+        default="ember-runtime",
+        description="The ClusterRole the chart ships for the runtime (patch pods/status only); "
+        "bound per namespace, so the operator needs `bind` on exactly this role.",
+    )
 
     @field_validator("namespaces", "model_roots", mode="before")
     @classmethod

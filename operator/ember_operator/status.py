@@ -12,6 +12,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ember_runtime.config import (
+    REASON_POLICY_OFF,
+    ThermalReading,
+    parse_thermal_condition,
+)
+
 from ember_operator.render import Problem
 
 READY, PROGRESSING, DEGRADED, THROTTLED = "Ready", "Progressing", "Degraded", "Throttled"
@@ -77,6 +83,7 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         for c in status.get("conditions") or []
     )
     failure = pod_failure(status)
+    reading = parse_thermal_condition(status.get("conditions"))
     return {
         "pod": meta.get("name"),
         "node": spec.get("nodeName"),
@@ -86,16 +93,67 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         "failure": None
         if failure is None
         else {"reason": failure.reason, "message": failure.message},
+        # The runtime's own report (ember.dev/Thermal), typed; None before its first write.
+        "thermal": None if reading is None else _reading_fields(reading),
     }
+
+
+def _reading_fields(reading: ThermalReading) -> dict[str, Any]:
+    out: dict[str, Any] = {"reason": reading.reason}
+    if reading.temperature_celsius is not None:
+        out["temperatureCelsius"] = reading.temperature_celsius
+    if reading.max_batch_size is not None:
+        out["maxBatchSize"] = reading.max_batch_size
+    return out
 
 
 @dataclass(frozen=True)
 class Thermal:
-    """The latest thermal tick for one object (what `ThermalReport` carries, as status values)."""
+    """The thermal aggregate of one object's replicas, as status values (`thermal_of`)."""
 
     replicas: Mapping[str, Mapping[str, Any]]  # pod -> {temperatureCelsius, maxBatchSize}
     hottest_celsius: int | None
     throttled: Mapping[str, Any]  # the Throttled condition, without times
+
+
+def thermal_of(pods: Iterable[Mapping[str, Any]], adaptive: bool, max_batch: int) -> Thermal:
+    """Fold the replicas' own reports (pod summaries) into the object's thermal status."""
+    live = [p for p in pods if not p.get("deleting") and p.get("thermal")]
+    replicas = {
+        str(p["pod"]): {k: p["thermal"][k] for k in THERMAL_FIELDS if k in p["thermal"]}
+        for p in live
+    }
+    temps = [r["temperatureCelsius"] for r in replicas.values() if "temperatureCelsius" in r]
+    return Thermal(replicas, max(temps, default=None), _throttled(live, adaptive, max_batch))
+
+
+def _throttled(pods: list[Mapping[str, Any]], adaptive: bool, max_batch: int) -> dict[str, str]:
+    if not adaptive or any(p["thermal"]["reason"] == REASON_POLICY_OFF for p in pods):
+        return {
+            "type": THROTTLED,
+            "status": "False",
+            "reason": "ThermalPolicyOff",
+            "message": "thermal.policy is off",
+        }
+    reduced = [p for p in pods if p["thermal"].get("maxBatchSize", max_batch) < max_batch]
+    if not reduced:
+        return {
+            "type": THROTTLED,
+            "status": "False",
+            "reason": "FullBatch",
+            "message": f"all replicas run at max batch {max_batch}",
+        }
+    parts = [
+        f"{p['pod']} at {p['thermal'].get('temperatureCelsius', '?')} °C: batch "
+        f"{p['thermal']['maxBatchSize']}/{max_batch}"
+        for p in sorted(reduced, key=lambda p: str(p["pod"]))
+    ]
+    return {
+        "type": THROTTLED,
+        "status": "True",
+        "reason": "ThermalThrottling",
+        "message": "; ".join(parts)[:MAX_MESSAGE],
+    }
 
 
 @dataclass(frozen=True)
@@ -106,7 +164,7 @@ class Observed:
     pods: list[Mapping[str, Any]]
     problems: list[Problem]
     selector: str
-    # None until the thermal loop has ticked (e.g. just after a restart): keep what status says.
+    # None: keep what status says (e.g. while the spec cannot be parsed).
     thermal: Thermal | None = None
 
 
@@ -178,8 +236,8 @@ def _with_times(
 def _replica_statuses(
     pods: list[Mapping[str, Any]], old: Iterable[Mapping[str, Any]], thermal: Thermal | None
 ) -> list[dict[str, Any]]:
-    """Per-pod rows; thermal fields from the latest tick, else (unreachable replica, no tick yet)
-    the last values status holds."""
+    """Per-pod rows; thermal fields from the pod's own condition, else (not reported yet) the
+    last values status holds."""
     previous = {r.get("pod"): r for r in old}
     fresh = thermal.replicas if thermal else {}
     rows = []

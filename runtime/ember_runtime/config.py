@@ -1,20 +1,30 @@
-"""The runtime configuration: the one contract between the operator and the node-side code.
+"""The one contract between the operator and the node-side code.
 
-The operator renders this model as YAML into the ConfigMap mounted at `/etc/ember/config.yaml`;
-the prewarm init container and the runtime sidecar read it back with `load_config`. Field names
-are camelCase on the wire (like every Kubernetes object) and snake_case in Python.
+- `RuntimeConfig`: the operator renders it as YAML into the ConfigMap mounted at
+  `/etc/ember/config.yaml`; the prewarm init container and the runtime sidecar read it back with
+  `load_config`. Field names are camelCase on the wire (like every Kubernetes object) and
+  snake_case in Python.
+- `ThermalPolicy` (its `thermal:` section) and the policy itself (temperature → batch limit):
+  the runtime applies it at every sensor sample; the operator only renders it. It is left out of
+  the pod template's config hash, so changing it reloads the runtimes instead of restarting them.
+- The `ember.dev/Thermal` condition the runtime writes on its own Pod (`thermal_condition`) and
+  the node agent on its Node, and its parser (`parse_thermal_message`) the operator reads it with.
+
+The operator imports this module; the runtime never imports the operator.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from ember_runtime.memory import unified_kv
@@ -39,8 +49,9 @@ class ModelFile(_Wire):
 class EngineSettings(_Wire):
     kind: Literal["llamacpp", "tensorrt-llm"] = "llamacpp"
     context_length: int = Field(default=2048, ge=64)
-    max_batch_size: int = Field(default=16, ge=1, le=256)
-    min_batch_size: int = Field(default=4, ge=1, le=256)
+    max_batch_size: int = Field(
+        default=16, ge=1, le=256, description="Capacity: sequences the engine allocates for."
+    )
     threads: int = Field(default=1, ge=1)
     deterministic: bool = Field(
         default=False,
@@ -114,7 +125,12 @@ class SensorSettings(_Wire):
     sysfs_root: str = "/sys"
     nvml: bool = False
     npu_smi: str | None = None
-    interval_seconds: float = Field(default=1.0, gt=0)
+    interval_seconds: float = Field(
+        default=0.25,
+        gt=0,
+        description="Sampling period; each sample applies the thermal policy. sysfs zones read "
+        "in microseconds; npu-smi takes ~1 s per call, so use >= 1 with it.",
+    )
     zone_types: list[str] = Field(
         default_factory=list,
         description="fnmatch patterns of thermal-zone types that count (empty: all zones).",
@@ -124,6 +140,163 @@ class SensorSettings(_Wire):
     )
     ewma_falling: float = Field(
         default=0.5, gt=0, le=1, description="EWMA weight of a falling reading (slow release)."
+    )
+    report_condition: bool = Field(
+        default=False,
+        description="Write the ember.dev/Thermal condition on the runtime's own Pod (needs the "
+        "pod's ServiceAccount token and POD_NAME/POD_NAMESPACE).",
+    )
+
+
+class ThermalPolicy(_Wire):
+    """Temperature → batch limit, applied by the runtime at every sample. Pure.
+
+    Batch limit::
+
+        T <  throttle : maxBatch
+        T >= throttle : clamp(maxBatch − floor((T − throttle) / step), minBatch, maxBatch)
+
+    with hysteresis on the way back up, so a reading that wobbles around a step edge does not
+    flap the batch (each change costs a scheduling hiccup): the batch grows only to what a
+    reading `hysteresis` °C hotter would allow, and returns to the full batch only once
+    T < throttle − hysteresis. Shrinking is never delayed: heat is what hurts p99.
+
+    Example (throttle 78, step 2, max 16, min 4, hysteresis 3): 84 °C → 13; cooling, 82 → 13,
+    80 → 14, 77 → 15, 75 → 15, 74.9 → 16.
+    """
+
+    adaptive: bool = Field(default=True, description="False: always serve at maxBatchSize.")
+    max_batch_size: int = Field(default=16, ge=1, le=256)
+    min_batch_size: int = Field(default=4, ge=1, le=256)
+    throttle_celsius: float = 78.0
+    critical_celsius: float = 90.0
+    celsius_per_step: float = Field(default=2.0, gt=0)
+    hysteresis_celsius: float = Field(default=3.0, ge=0)
+    critical_for_seconds: float = Field(default=60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.min_batch_size > self.max_batch_size:
+            raise ValueError(
+                f"minBatchSize ({self.min_batch_size}) > maxBatchSize ({self.max_batch_size})"
+            )
+        if self.critical_celsius <= self.throttle_celsius:
+            raise ValueError("criticalCelsius must be greater than throttleCelsius")
+        return self
+
+    @property
+    def release_celsius(self) -> float:
+        """Below this the full batch returns and a vacated node is released."""
+        return self.throttle_celsius - self.hysteresis_celsius
+
+    def _clamp(self, value: int) -> int:
+        return max(self.min_batch_size, min(self.max_batch_size, value))
+
+    def batch_for(self, temp: float) -> int:
+        """The memoryless formula (no hysteresis)."""
+        if temp < self.throttle_celsius:
+            return self.max_batch_size
+        steps = math.floor((temp - self.throttle_celsius) / self.celsius_per_step)
+        return self._clamp(self.max_batch_size - steps)
+
+    def next_batch(self, temp: float | None, current: int | None) -> int:
+        """The batch limit a replica at `temp` °C, now allowed `current`, should be allowed."""
+        if not self.adaptive or temp is None or math.isnan(temp):
+            return self.max_batch_size  # no policy or no sensor: serve at full size
+        target = self.batch_for(temp)
+        if current is None:
+            return target
+        current = self._clamp(current)
+        if target <= current:
+            return target  # hotter (or unchanged): shrink at once
+        if temp < self.release_celsius:
+            return self.max_batch_size
+        # Cooling inside the band: grow only as far as a reading `hysteresis` hotter allows,
+        # and never to the full batch (that needs T < throttle − hysteresis).
+        cautious = min(self.batch_for(temp + self.hysteresis_celsius), self.max_batch_size - 1)
+        return self._clamp(max(current, cautious))
+
+    def reason(self, temp: float | None, batch: int) -> str:
+        """The condition reason for a replica (or node) at `temp` running `batch`."""
+        if not self.adaptive:
+            return REASON_POLICY_OFF
+        if temp is None:
+            return REASON_NO_READING
+        if temp >= self.critical_celsius:
+            return REASON_CRITICAL
+        return REASON_THROTTLED if batch < self.max_batch_size else REASON_NORMAL
+
+    def node_reason(self, temp: float | None) -> str:
+        """A node's reason (the node agent's): Normal only below throttle − hysteresis, the point
+        where a replica gets its full batch back and a tainted node may take replicas again."""
+        if temp is None:
+            return REASON_NO_READING
+        if temp >= self.critical_celsius:
+            return REASON_CRITICAL
+        return REASON_THROTTLED if temp >= self.release_celsius else REASON_NORMAL
+
+
+# The condition the runtime keeps on its own Pod (and the node agent on its Node). Its status is
+# "True" while the replica is thermally limited (batch below max, or critical).
+THERMAL_CONDITION = "ember.dev/Thermal"
+REASON_NORMAL = "Normal"
+REASON_THROTTLED = "Throttled"
+REASON_CRITICAL = "Critical"
+REASON_NO_READING = "NoReading"
+REASON_POLICY_OFF = "PolicyOff"
+LIMITED_REASONS = frozenset({REASON_THROTTLED, REASON_CRITICAL})
+# "84 °C, batch 13/16" (a pod) or "84 °C" (a node); "no reading, batch 16/16" without a sensor.
+_MESSAGE = re.compile(r"^(?:(?P<temp>-?\d+) °C|no reading)(?:, batch (?P<batch>\d+)/(?P<max>\d+))?")
+
+
+@dataclass(frozen=True)
+class ThermalReading:
+    """What one `ember.dev/Thermal` condition says, typed (whole degrees, like the message)."""
+
+    reason: str
+    temperature_celsius: int | None
+    max_batch_size: int | None = None  # the limit in force (None on a node's condition)
+    capacity: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.reason in LIMITED_REASONS
+
+    def message(self) -> str:
+        head = (
+            "no reading" if self.temperature_celsius is None else f"{self.temperature_celsius} °C"
+        )
+        if self.max_batch_size is None:
+            return head
+        return f"{head}, batch {self.max_batch_size}/{self.capacity}"
+
+
+def thermal_condition(reading: ThermalReading, now: str) -> dict[str, Any]:
+    """The condition as written (lastTransitionTime set by the writer; the kubelet keeps it)."""
+    return {
+        "type": THERMAL_CONDITION,
+        "status": "True" if reading.limited else "False",
+        "reason": reading.reason,
+        "message": reading.message(),
+        "lastTransitionTime": now,
+    }
+
+
+def parse_thermal_condition(conditions: list[dict[str, Any]] | None) -> ThermalReading | None:
+    """The `ember.dev/Thermal` condition among a Pod's or Node's conditions, typed; None if absent
+    or not in the format `thermal_condition` writes."""
+    cond = next((c for c in conditions or [] if c.get("type") == THERMAL_CONDITION), None)
+    if cond is None:
+        return None
+    match = _MESSAGE.match(str(cond.get("message") or ""))
+    if match is None:
+        return None
+    temp, batch, cap = match["temp"], match["batch"], match["max"]
+    return ThermalReading(
+        reason=str(cond.get("reason") or ""),
+        temperature_celsius=None if temp is None else int(temp),
+        max_batch_size=None if batch is None else int(batch),
+        capacity=None if cap is None else int(cap),
     )
 
 
@@ -139,6 +312,7 @@ class RuntimeConfig(_Wire):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
     sensors: SensorSettings = Field(default_factory=SensorSettings)
+    thermal: ThermalPolicy = Field(default_factory=ThermalPolicy)
     termination_log: str = "/dev/termination-log"
 
     def total_bytes(self) -> int:
@@ -146,6 +320,12 @@ class RuntimeConfig(_Wire):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+    def restart_relevant_yaml(self) -> str:
+        """The config without its thermal policy: what the pod template's hash covers, so a
+        policy change is reloaded by running replicas instead of rolling them."""
+        data = self.model_dump(mode="json", by_alias=True, exclude={"thermal"})
+        return yaml.safe_dump(data, sort_keys=False)
 
 
 def load_config(path: str | Path | None = None) -> RuntimeConfig:

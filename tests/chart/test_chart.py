@@ -80,24 +80,52 @@ def test_two_replicas_peer_instead_of_standalone(helm: str) -> None:
     assert {"--namespace=edge-a", "--namespace=edge-b"} <= set(args)
 
 
+def _roles(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["metadata"]["name"].removeprefix("ember-"): r for r in by_kind(docs, "ClusterRole")}
+
+
 def test_rbac_has_no_wildcards_and_no_secrets(helm: str) -> None:
     docs = render(helm, "-f", str(CHART / "ci" / "ha-values.yaml"))
-    (role,) = by_kind(docs, "ClusterRole")
-    for rule in role["rules"]:
-        for key in ("apiGroups", "resources", "verbs"):
-            assert "*" not in rule[key], rule
-        assert "secrets" not in rule["resources"]
+    roles = _roles(docs)
+    assert sorted(roles) == ["nodeagent", "operator", "runtime"]
+    for role in roles.values():
+        for rule in role["rules"]:
+            for key in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[key], rule
+            assert "secrets" not in rule["resources"]
     assert not by_kind(docs, "Role")
 
 
-def test_secrets_only_when_api_keys_are_used(helm: str) -> None:
-    (role,) = by_kind(render(helm, "--set", "operator.readApiKeySecrets=true"), "ClusterRole")
-    secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
-    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
+    docs = render(helm)
+    roles = _roles(docs)
+    assert roles["runtime"]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]}
+    ]
+    assert roles["nodeagent"]["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}
+    ]
+    # The operator binds exactly the runtime's role, and no other.
+    binds = [r for r in roles["operator"]["rules"] if "bind" in r["verbs"]]
+    assert binds == [
+        {
+            "apiGroups": ["rbac.authorization.k8s.io"],
+            "resources": ["clusterroles"],
+            "verbs": ["bind"],
+            "resourceNames": ["ember-runtime"],
+        }
+    ]
+    policies = {p["metadata"]["name"] for p in by_kind(docs, "ValidatingAdmissionPolicy")}
+    bindings = by_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert policies == {"ember-runtime-own-pod", "ember-nodeagent-own-node"}
+    assert {b["spec"]["policyName"] for b in bindings} == policies
+    assert all(b["spec"]["validationActions"] == ["Deny"] for b in bindings)
 
 
 def test_device_plugin_daemonset_is_node_critical_and_scoped(helm: str) -> None:
-    (ds,) = by_kind(render(helm), "DaemonSet")
+    (ds,) = [
+        d for d in by_kind(render(helm), "DaemonSet") if "deviceplugin" in d["metadata"]["name"]
+    ]
     pod = ds["spec"]["template"]["spec"]
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["nodeSelector"] == {"ember.dev/npu": "true"}

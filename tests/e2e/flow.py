@@ -140,7 +140,11 @@ class Flow:
             self.run_helm(*args)
         with timed("rolling Ember's pods onto the freshly loaded images"):
             # Same tag, new image: nothing in the pod templates changed, so restart explicitly.
-            for workload in (f"deploy/{RELEASE}-operator", f"ds/{RELEASE}-deviceplugin"):
+            for workload in (
+                f"deploy/{RELEASE}-operator",
+                f"ds/{RELEASE}-deviceplugin",
+                f"ds/{RELEASE}-nodeagent",
+            ):
                 self.run_kubectl("-n", SYSTEM_NS, "rollout", "restart", workload)
                 self.run_kubectl(
                     "-n", SYSTEM_NS, "rollout", "status", workload, "--timeout=180s", timeout=200

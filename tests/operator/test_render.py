@@ -178,6 +178,34 @@ def test_config_hash_changes_with_the_spec_only() -> None:
     assert hash_of(_render()) != hash_of(_render(engine={"contextLength": 4096}))
 
 
+def test_a_thermal_policy_change_reaches_the_configmap_but_restarts_nothing() -> None:
+    """The runtime reloads its `thermal:` section from the mounted file; the pod template (and
+    so every replica) stays as it is."""
+    hot = {"throttleCelsius": 70, "criticalCelsius": 85, "celsiusPerStep": 3}
+    before, after = _render(), _render(thermal=hot)
+    assert before["Deployment"] == after["Deployment"]
+    config = RuntimeConfig.model_validate(yaml.safe_load(after["ConfigMap"]["data"]["config.yaml"]))
+    assert (config.thermal.throttle_celsius, config.thermal.celsius_per_step) == (70.0, 3.0)
+    assert before["ConfigMap"] != after["ConfigMap"]
+    assert config.sensors.report_condition is True
+
+
+def test_runtime_identity_and_token_only_in_the_runtime() -> None:
+    pod = _pod(_render())
+    assert pod["serviceAccountName"] == SETTINGS.runtime_service_account
+    assert pod["automountServiceAccountToken"] is False
+    runtime = next(c for c in pod["containers"] if c["name"] == "runtime")
+    assert render.SA_MOUNT in {m["mountPath"] for m in runtime["volumeMounts"]}
+    for init in pod.get("initContainers", []):
+        assert render.SA_MOUNT not in {m["mountPath"] for m in init["volumeMounts"]}
+    sa, binding = render.runtime_identity("ns", SETTINGS)
+    assert sa["kind"] == "ServiceAccount" and sa["metadata"]["name"] == "ember-runtime"
+    assert binding["roleRef"]["name"] == SETTINGS.runtime_cluster_role
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ember-runtime", "namespace": "ns"}
+    ]
+
+
 def test_user_strings_cannot_inject_yaml() -> None:
     evil = 'x"\n  injected: true\nkind: Secret'
     out = _render(

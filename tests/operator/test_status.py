@@ -216,3 +216,36 @@ def test_cooling_flips_throttled_with_a_new_transition_time() -> None:
     assert (throttled["status"], throttled["lastTransitionTime"]) == ("False", LATER)
     ready = next(c for c in after["conditions"] if c["type"] == "Ready")
     assert ready["lastTransitionTime"] == NOW
+
+
+def test_thermal_of_folds_the_replicas_own_conditions() -> None:
+    from ember_runtime.config import ThermalReading, thermal_condition
+
+    def pod(name: str, reading: ThermalReading | None) -> dict[str, Any]:
+        conditions = [{"type": "Ready", "status": "True"}]
+        if reading is not None:
+            conditions.append(thermal_condition(reading, NOW))
+        body = {
+            "metadata": {"name": name},
+            "spec": {"nodeName": "n1"},
+            "status": {"phase": "Running", "conditions": conditions},
+        }
+        return status.pod_summary(body)
+
+    pods = [
+        pod("a", ThermalReading("Throttled", 84, 13, 16)),
+        pod("b", ThermalReading("Normal", 60, 16, 16)),
+        pod("c", None),  # not reported yet
+    ]
+    thermal = status.thermal_of(pods, adaptive=True, max_batch=16)
+    assert thermal.hottest_celsius == 84
+    assert thermal.replicas == {
+        "a": {"temperatureCelsius": 84, "maxBatchSize": 13},
+        "b": {"temperatureCelsius": 60, "maxBatchSize": 16},
+    }
+    assert thermal.throttled["status"] == "True"
+    assert thermal.throttled["message"] == "a at 84 °C: batch 13/16"
+    st = status.compute_status(_obs(pods=pods, thermal=thermal), {}, NOW)
+    assert (st["hottestCelsius"], st["maxBatchSize"]) == (84, 13)
+    off = status.thermal_of(pods, adaptive=False, max_batch=16)
+    assert off.throttled["reason"] == "ThermalPolicyOff"

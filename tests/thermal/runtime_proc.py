@@ -1,6 +1,6 @@
 """Start the real runtime (`python -m ember_runtime.server`) as a process with a fake thermal tree.
 
-Used by the poller tests and by bench/thermal_bench.py. The process is the one a pod runs: real
+Used by the thermal tests and by bench/thermal_bench.py. The process is the one a pod runs: real
 engine, real model, real HTTP; only the sysfs root points at a temp dir.
 """
 
@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from ember_runtime.config import EngineSettings, RuntimeConfig, SensorSettings, ServerSettings
+from ember_runtime.config import (
+    EngineSettings,
+    RuntimeConfig,
+    SensorSettings,
+    ServerSettings,
+    ThermalPolicy,
+)
 from ember_runtime.models import default_model_path
 
 
@@ -57,7 +63,11 @@ def start_runtime(
     api_key: str | None = None,
     threads: int = 1,
     argv_prefix: Sequence[str] = (),
+    thermal: ThermalPolicy | None = None,
+    env: dict[str, str] | None = None,
 ) -> RuntimeProcess:
+    """`env` extra variables, e.g. POD_NAME/POD_NAMESPACE/KUBERNETES_SERVICE_HOST and
+    EMBER_SERVICEACCOUNT_DIR to have it report its condition to a real API server."""
     model = default_model_path()
     key_file = None
     if api_key is not None:
@@ -69,7 +79,6 @@ def start_runtime(
         model_dir=str(model.parent),
         engine=EngineSettings(
             max_batch_size=max_batch,
-            min_batch_size=min_batch,
             context_length=context,
             threads=threads,
         ),
@@ -79,7 +88,12 @@ def start_runtime(
             api_key_file=str(key_file) if key_file else None,
             request_timeout_seconds=120,
         ),
-        sensors=SensorSettings(sysfs_root=str(sysfs_root), interval_seconds=interval),
+        sensors=SensorSettings(
+            sysfs_root=str(sysfs_root),
+            interval_seconds=interval,
+            report_condition=env is not None and "POD_NAME" in env,
+        ),
+        thermal=thermal or ThermalPolicy(max_batch_size=max_batch, min_batch_size=min_batch),
         termination_log=str(workdir / "termination-log"),
     )
     cfg = workdir / "config.yaml"
@@ -98,7 +112,9 @@ def start_runtime(
         "warning",
     ]
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     url = f"http://127.0.0.1:{port}"
     running = RuntimeProcess(proc, url, log)
     deadline = time.monotonic() + 180

@@ -1,14 +1,12 @@
 """Moving a replica off a hot node, against the real API server (+ controller-manager, scheduler,
-kwok) and a real runtime process whose fake sensor we heat.
+kwok): the operator-wide hot-node queue with an injected clock.
 
 Two kwok nodes of our own (an extra taint keeps everyone else's pods off them), one Deployment
-replica that prefers node A. The runtime process stands in for that replica's runtime container
-(kwok pods have no processes), so the loop polls it under the pod's name and node.
+replica that prefers node A.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,21 +14,22 @@ from typing import Any
 
 import pytest
 from ember_operator.thermal import actions
-from ember_operator.thermal.actions import EvictionResult, ObjectRef
-from ember_operator.thermal.loop import ThermalLoop
-from ember_operator.thermal.policy import NodeHeat, ThermalLimits
-from ember_operator.thermal.poller import Replica, ReplicaPoller
+from ember_operator.thermal.actions import EvictionResult
+from ember_operator.thermal.nodes import (
+    CHECK_SECONDS,
+    EVICTION_RETRY_SECONDS,
+    HotNodes,
+    Replica,
+)
+from ember_runtime.config import ThermalReading, thermal_condition
 from kubernetes import client
 
 from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest, wait_schedulable
 from tests.conftest import Kube
-from tests.thermal.conftest import API_KEY, FakeThermalTree
 
 pytestmark = pytest.mark.cluster
 
 PRIVATE = {"key": "ember.dev/thermal-test", "value": "true", "effect": "NoSchedule"}
-LIMITS = ThermalLimits(critical_celsius=90, critical_for_seconds=2)
-SETTLE = 0.6  # real seconds for the runtime to sample a sensor change (it samples every 0.2 s)
 
 
 @pytest.fixture
@@ -60,6 +59,12 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 300) -> Any:
             return value
         time.sleep(0.25)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def report(core: client.CoreV1Api, node: str, reading: ThermalReading) -> None:
+    """What the node agent writes: its condition, strategic-merged into the node's status."""
+    cond = thermal_condition(reading, "2026-01-01T00:00:00Z")
+    core.patch_node_status(node, {"status": {"conditions": [cond]}})
 
 
 def taint_keys(core: client.CoreV1Api, node: str) -> list[str]:
@@ -144,16 +149,14 @@ def _running_pods(core: client.CoreV1Api, ns: str, app: str) -> list[Any]:
 
 
 def test_critical_node_is_vacated_then_released(
-    kube: Kube,
-    namespace: str,
-    two_nodes: tuple[str, str],
-    runtime: tuple[Any, FakeThermalTree],
+    kube: Kube, namespace: str, two_nodes: tuple[str, str]
 ) -> None:
+    """The operator-wide queue, fed as the pod and node watches feed it: a replica reports
+    Critical → after the window the node is tainted and the replica evicted (once the PDB
+    allows) → the node agent's report of a cool node releases the taint."""
     core, (a, b) = kube.core, two_nodes
-    proc, tree = runtime
     apps, policy = client.AppsV1Api(kube.api), client.PolicyV1Api(kube.api)
-    dep: Any = apps.create_namespaced_deployment(namespace, _deployment("infer", a, b))
-    owner = ObjectRef("apps/v1", "Deployment", "infer", namespace, dep.metadata.uid)
+    apps.create_namespaced_deployment(namespace, _deployment("infer", a, b))
     first = wait_for(
         "a running pod on A",
         lambda: [p for p in _running_pods(core, namespace, "infer") if p.spec.node_name == a],
@@ -165,50 +168,37 @@ def test_critical_node_is_vacated_then_released(
     policy.create_namespaced_pod_disruption_budget(namespace, pdb)
 
     clock = [0.0]
-    loop = ThermalLoop(core, ReplicaPoller(), NodeHeat(probe_after_seconds=5), lambda: clock[0])
+    hot = HotNodes(core, lambda: clock[0])
+    replica = Replica(namespace, first.metadata.name, "infer", a)
+    hot.observe_pod(replica, critical=True, window=2.0)
+    assert hot.next_due() == 2.0
+    clock[0] = 1.0
+    assert hot.run_due() == []  # window still running
+    hot.observe_pod(replica, critical=True, window=2.0)  # a repeat report changes nothing
+    clock[0] = 2.0
+    done = hot.run_due()  # 2 s critical: vacate — the PDB says not now
+    assert done == [f"tainted {a}", f"eviction of {first.metadata.name} blocked by PDB"]
+    assert hot_taint(core, a)
+    assert hot.next_due() == 2.0 + EVICTION_RETRY_SECONDS  # retried from the same queue
+    policy.delete_namespaced_pod_disruption_budget("infer", namespace)
+    clock[0] += EVICTION_RETRY_SECONDS
+    assert hot.run_due() == [f"evicted {first.metadata.name}"]
+    hot.forget_pod(replica)  # the watch's DELETED event
+    moved = wait_for(
+        "the replacement pod on B",
+        lambda: [p for p in _running_pods(core, namespace, "infer") if p.spec.node_name == b],
+    )
+    assert moved[0].metadata.name != first.metadata.name
+    # The node agent's reports on A (as it writes them), read by the queue's checks.
+    report(core, a, ThermalReading("Throttled", 80))  # cooler, not cool enough
+    clock[0] += CHECK_SECONDS
+    assert hot.run_due() == [] and hot_taint(core, a)
+    report(core, a, ThermalReading("Normal", 70))
+    clock[0] += CHECK_SECONDS
+    assert hot.run_due() == [f"untainted {a}"]
+    assert not hot_taint(core, a)
+    assert hot.next_due() is None  # nothing left to look at
 
-    def replicas() -> list[Replica]:  # each pod's runtime is the one real process
-        return [
-            Replica(p.metadata.name, p.spec.node_name, proc.url, API_KEY)
-            for p in _running_pods(core, namespace, "infer")
-        ]
-
-    async def tick(seconds: float = 1.0) -> list[str]:
-        clock[0] += seconds
-        report = await loop.tick(owner, LIMITS, replicas())
-        return report.actions
-
-    async def scenario() -> None:
-        try:
-            tree.set(0, 95.0)
-            await asyncio.sleep(SETTLE)  # the runtime samples its sensor every 0.2 s
-            assert await tick() == []  # critical, window running
-            assert await tick() == []
-            done = await tick()  # 2 s at ≥ 90 °C: vacate — the PDB says not now
-            assert done == [f"tainted {a}", f"eviction of {first.metadata.name} blocked by PDB"]
-            assert hot_taint(core, a)
-            policy.delete_namespaced_pod_disruption_budget("infer", namespace)
-            done = await tick()
-            assert done == [f"evicted {first.metadata.name}"], done
-            moved = wait_for(
-                "the replacement pod on B",
-                lambda: [
-                    p for p in _running_pods(core, namespace, "infer") if p.spec.node_name == b
-                ],
-            )
-            assert moved[0].metadata.name != first.metadata.name
-            tree.set(0, 70.0)
-            await asyncio.sleep(SETTLE)
-            assert await tick() == []  # B is fine; A has no readings yet
-            assert hot_taint(core, a)
-            done = await tick(5.0)  # no reading from A for probe_after: release to re-probe
-            assert done == [f"untainted {a}"]
-            assert not hot_taint(core, a)
-        finally:
-            tree.set(0, 60.0)
-            await loop.close()
-
-    asyncio.run(scenario())
     events: list[Any] = core.list_namespaced_event(namespace).items
     reasons = {e.reason for e in events if e.involved_object.name == "infer"}
     assert "ReplicaMovedOffHotNode" in reasons
@@ -217,6 +207,21 @@ def test_critical_node_is_vacated_then_released(
     ).items
     node_events = {e.reason for e in on_node}
     assert {"HotNodeTainted", "HotNodeReleased"} <= node_events
+
+
+def test_a_dip_below_critical_cancels_the_window(kube: Kube, two_nodes: tuple[str, str]) -> None:
+    clock = [0.0]
+    hot = HotNodes(kube.core, lambda: clock[0])
+    replica = Replica("ns", "p", "infer", two_nodes[0])
+    hot.observe_pod(replica, critical=True, window=5.0)
+    clock[0] = 3.0
+    hot.observe_pod(replica, critical=False, window=5.0)
+    clock[0] = 4.0
+    hot.observe_pod(replica, critical=True, window=5.0)  # a new window: due at 9
+    clock[0] = 5.0
+    assert hot.run_due() == []  # the first window's entry finds it not critical for 5 s
+    assert not hot_taint(kube.core, two_nodes[0])
+    assert hot.next_due() == 9.0
 
 
 def test_evicting_a_missing_pod_is_gone(kube: Kube, namespace: str) -> None:

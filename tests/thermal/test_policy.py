@@ -1,4 +1,5 @@
-"""The thermal policy as tables: formula, hysteresis, and node heat with an injected clock."""
+"""The thermal policy (the shared contract in ember_runtime.config) as tables: formula,
+hysteresis, reasons, and the condition's message round trip."""
 
 from __future__ import annotations
 
@@ -6,15 +7,25 @@ import itertools
 
 import pytest
 from ember_operator.api.models import parse_spec
-from ember_operator.thermal.policy import (
-    NodeHeat,
-    NodeVerdict,
-    ThermalLimits,
-    batch_for,
-    max_batch,
+from ember_operator.render import thermal_policy
+from ember_runtime.config import (
+    THERMAL_CONDITION,
+    ThermalPolicy,
+    ThermalReading,
+    parse_thermal_condition,
+    thermal_condition,
 )
+from pydantic import ValidationError
 
-ISSUE = ThermalLimits(max_batch=16, min_batch=4, throttle_celsius=78, celsius_per_step=2)
+ISSUE = ThermalPolicy(max_batch_size=16, min_batch_size=4, throttle_celsius=78, celsius_per_step=2)
+
+
+def batch_for(temp: float, policy: ThermalPolicy) -> int:
+    return policy.batch_for(temp)
+
+
+def max_batch(temp: float | None, policy: ThermalPolicy, current: int | None) -> int:
+    return policy.next_batch(temp, current)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +97,7 @@ def test_unknown_inputs(temp: float | None, current: int | None, expected: int) 
 
 
 def test_policy_off_is_always_full() -> None:
-    off = ThermalLimits(adaptive=False)
+    off = ThermalPolicy(adaptive=False)
     assert max_batch(120.0, off, 4) == 16
 
 
@@ -108,71 +119,57 @@ def test_limits_from_a_real_spec() -> None:
             },
         }
     )
-    limits = ThermalLimits.from_spec(spec)
-    assert (limits.max_batch, limits.min_batch, limits.critical_for_seconds) == (32, 8, 30.0)
+    limits = thermal_policy(spec)
+    assert (limits.max_batch_size, limits.min_batch_size, limits.critical_for_seconds) == (
+        32,
+        8,
+        30.0,
+    )
     assert max_batch(80.0, limits, 32) == 30 and max_batch(200.0, limits, 32) == 8
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"min_batch": 8, "max_batch": 4},
-        {"min_batch": 0},
+        {"min_batch_size": 8, "max_batch_size": 4},
+        {"min_batch_size": 0},
         {"celsius_per_step": 0},
         {"critical_celsius": 70, "throttle_celsius": 78},
         {"hysteresis_celsius": -1},
     ],
 )
 def test_bad_limits_are_rejected(kwargs: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
-        ThermalLimits(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError):
+        ThermalPolicy(**kwargs)  # type: ignore[arg-type]
 
 
-# ----------------------------------------------------------------------------- node heat
-
-HEAT = ThermalLimits(critical_celsius=90, critical_for_seconds=60)
-
-
-def test_critical_for_the_window_vacates_then_cooling_releases() -> None:
-    heat = NodeHeat()
-    assert heat.observe("n1", 85.0, HEAT, now=0) is NodeVerdict.OK
-    assert heat.observe("n1", 90.0, HEAT, now=10) is NodeVerdict.WATCH
-    assert heat.observe("n1", 95.0, HEAT, now=69.9) is NodeVerdict.WATCH
-    assert heat.observe("n1", 91.0, HEAT, now=70) is NodeVerdict.VACATE
-    heat.mark_tainted("n1", now=70)
-    assert heat.observe("n1", 92.0, HEAT, now=71) is NodeVerdict.VACATE  # still there: again
-    assert heat.observe("n1", 80.0, HEAT, now=80) is NodeVerdict.HOLD
-    assert heat.observe("n1", 75.0, HEAT, now=90) is NodeVerdict.HOLD  # not below 78 − 3
-    assert heat.observe("n1", 74.0, HEAT, now=95) is NodeVerdict.RELEASE
-    heat.mark_released("n1")
-    assert heat.observe("n1", 74.0, HEAT, now=96) is NodeVerdict.OK
-
-
-def test_a_dip_below_critical_restarts_the_window() -> None:
-    heat = NodeHeat()
-    heat.observe("n1", 95.0, HEAT, now=0)
-    assert heat.observe("n1", 89.9, HEAT, now=59) is NodeVerdict.OK
-    assert heat.observe("n1", 95.0, HEAT, now=61) is NodeVerdict.WATCH
-    assert heat.observe("n1", 95.0, HEAT, now=120) is NodeVerdict.WATCH
-    assert heat.observe("n1", 95.0, HEAT, now=121) is NodeVerdict.VACATE
+@pytest.mark.parametrize(
+    ("temp", "batch", "reason", "status"),
+    [
+        (60.0, 16, "Normal", "False"),
+        (84.0, 13, "Throttled", "True"),
+        (91.0, 4, "Critical", "True"),
+        (None, 16, "NoReading", "False"),
+    ],
+)
+def test_reasons_and_condition_round_trip(
+    temp: float | None, batch: int, reason: str, status: str
+) -> None:
+    assert ISSUE.reason(temp, batch) == reason
+    reading = ThermalReading(reason, None if temp is None else round(temp), batch, 16)
+    cond = thermal_condition(reading, "2026-01-01T00:00:00Z")
+    assert cond["type"] == THERMAL_CONDITION and cond["status"] == status
+    assert parse_thermal_condition([{"type": "Ready"}, cond]) == reading
 
 
-def test_nodes_are_independent_and_policy_off_never_vacates() -> None:
-    heat = NodeHeat()
-    heat.observe("hot", 99.0, HEAT, now=0)
-    heat.observe("cool", 60.0, HEAT, now=0)
-    assert heat.observe("hot", 99.0, HEAT, now=60) is NodeVerdict.VACATE
-    assert heat.observe("cool", 60.0, HEAT, now=60) is NodeVerdict.OK
-    off = ThermalLimits(adaptive=False)
-    assert heat.observe("other", 120.0, off, now=0) is NodeVerdict.OK
-    assert heat.observe("other", 120.0, off, now=1000) is NodeVerdict.OK
+def test_messages_are_the_documented_ones() -> None:
+    assert ThermalReading("Throttled", 84, 13, 16).message() == "84 °C, batch 13/16"
+    assert ThermalReading("Critical", 93).message() == "93 °C"  # a node's: no batch
+    node = {"type": THERMAL_CONDITION, "reason": "Critical", "message": "93 °C"}
+    assert parse_thermal_condition([node]) == ThermalReading("Critical", 93)
+    assert parse_thermal_condition([{**node, "message": "garbage"}]) is None
+    assert parse_thermal_condition([]) is None
 
 
-def test_tainted_nodes_without_readings_are_released_to_reprobe() -> None:
-    heat = NodeHeat(probe_after_seconds=300)
-    heat.adopt("n1", now=0)  # found tainted at operator start
-    heat.mark_tainted("n2", now=100)
-    assert heat.stale(now=299) == []
-    assert heat.stale(now=300) == ["n1"]
-    heat.observe("n1", 80.0, HEAT, now=350)  # a reading refreshes it
-    assert heat.stale(now=400) == ["n2"]
+def test_policy_off_reason() -> None:
+    assert ThermalPolicy(adaptive=False).reason(120.0, 16) == "PolicyOff"

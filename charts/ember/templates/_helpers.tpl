@@ -44,3 +44,20 @@ readOnlyRootFilesystem: true
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+
+{{/* The ClusterRole bound to the runtime's ServiceAccount in each served namespace. */}}
+{{- define "ember.runtimeRole" -}}
+{{- printf "%s-runtime" (include "ember.fullname" .) -}}
+{{- end -}}
+
+{{/* PodStatus fields besides conditions: a runtime's status write must leave each as it is.
+     A field added by a later Kubernetes is not listed, so it is not checked: review on upgrade. */}}
+{{- define "ember.podStatusFields" -}}
+{{- list "phase" "message" "reason" "nominatedNodeName" "hostIP" "hostIPs" "podIP" "podIPs" "startTime" "initContainerStatuses" "containerStatuses" "ephemeralContainerStatuses" "qosClass" "resize" "resourceClaimStatuses" "observedGeneration" | toJson -}}
+{{- end -}}
+
+{{/* CEL: `object.<path>` equals `oldObject.<path>`, absent in both counting as equal. */}}
+{{- define "ember.celUnchanged" -}}
+{{- $parent := index . 0 -}}{{- $field := index . 1 -}}
+(has(object.{{ $parent }}.{{ $field }}) == has(oldObject.{{ $parent }}.{{ $field }}) && (!has(object.{{ $parent }}.{{ $field }}) || object.{{ $parent }}.{{ $field }} == oldObject.{{ $parent }}.{{ $field }}))
+{{- end -}}

@@ -142,13 +142,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "name": "Temp",
         "type": "integer",
         "jsonPath": ".status.hottestCelsius",
-        "description": "Hottest replica (°C), from the thermal loop.",
+        "description": "Hottest replica (°C), as the replicas report it.",
     },
     {
         "name": "Batch",
         "type": "integer",
         "jsonPath": ".status.maxBatchSize",
-        "description": "Batch size the thermal loop allows now (the smallest across replicas).",
+        "description": "Batch limit in force (the smallest the replicas report).",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

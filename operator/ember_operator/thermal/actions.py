@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from ember_runtime.config import parse_thermal_condition
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -98,6 +99,20 @@ def tainted_hot_nodes(core: client.CoreV1Api) -> list[str]:
     """Nodes carrying the hot taint, to rebuild `NodeHeat` after an operator restart."""
     nodes: list[Any] = core.list_node().items
     return sorted(_name(n) for n in nodes if _has_hot(n))
+
+
+def node_thermal_reason(core: client.CoreV1Api, name: str) -> str | None:
+    """The reason of the node agent's ember.dev/Thermal condition on `name` (None: no report,
+    or the node is gone)."""
+    try:
+        node: Any = core.read_node_status(name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    conditions = [c.to_dict() for c in (node.status.conditions or [])]
+    reading = parse_thermal_condition(conditions)
+    return None if reading is None else reading.reason
 
 
 def evict(core: client.CoreV1Api, namespace: str, pod: str) -> EvictionResult:

@@ -1,4 +1,4 @@
-"""Temperature sensors for the runtime's metrics and the operator's thermal loop.
+"""Temperature sensors for the runtime's metrics and its thermal governor.
 
 Every source implements `TemperatureSource.read() -> {name: °C}`: Linux thermal zones (sysfs),
 NVIDIA GPUs (NVML), Ascend NPUs (`npu-smi info`). `build_source(config.sensors)` combines the

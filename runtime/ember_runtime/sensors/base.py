@@ -27,7 +27,7 @@ def plausible(celsius: float) -> bool:
 
 
 def hottest(temps: Mapping[str, float]) -> tuple[str, float] | None:
-    """The (name, °C) of the hottest sensor: the thermal loop acts on the worst one."""
+    """The (name, °C) of the hottest sensor: the thermal governor acts on the worst one."""
     if not temps:
         return None
     name = max(temps, key=lambda k: (temps[k], k))

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             # Refuse now, with the reason in the termination message (the pod's Degraded
             # reason), rather than be OOM-killed once the KV cache fills up under load.
             preflight(config, model, Path(os.environ.get(CGROUP_ROOT_ENV, "/sys/fs/cgroup")))
-        app = create_app(config, model_path=model)
+        app = create_app(config, model_path=model, config_path=settings.config_path)
     except (OSError, ValueError, EngineUnavailableError, MemoryLimitError) as exc:
         log.error("cannot start: %s", exc)
         _write_termination_log(config.termination_log, str(exc))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.middleware import BodyLimit, RequestCounter
 from ember_runtime.server.settings import read_api_key, resolve_model_path
 from ember_runtime.server.state import AppState
+from ember_runtime.thermal import control
+from ember_runtime.thermal.governor import Governor
+from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, pod_status_path
+from ember_runtime.thermal.reporter import ConditionReporter
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +61,42 @@ def build_engine(
     )
 
 
+def pod_reporter(config: RuntimeConfig) -> ConditionReporter | None:
+    """The pod condition reporter, when the config asks for one and the pod's identity is known
+    (POD_NAME/POD_NAMESPACE from the downward API, the projected ServiceAccount token)."""
+    name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
+    if not config.sensors.report_condition:
+        return None
+    if not name or not namespace:
+        log.warning("sensors.reportCondition is on but POD_NAME/POD_NAMESPACE are not set")
+        return None
+    try:
+        endpoint = Endpoint.in_cluster()
+    except RuntimeError as exc:  # serving matters more than reporting: say so and go on
+        log.warning("thermal condition reports off: %s", exc)
+        return None
+    if not endpoint.token_file.is_file():
+        log.warning("thermal condition reports off: no token at %s", endpoint.token_file)
+        return None
+    try:
+        patcher = ConditionPatcher(endpoint, pod_status_path(namespace, name))
+    except OSError as exc:  # e.g. an unreadable CA bundle
+        log.warning("thermal condition reports off: %s", exc)
+        return None
+    return ConditionReporter(patcher, band_celsius=config.thermal.celsius_per_step)
+
+
 def create_app(
     config: RuntimeConfig,
     *,
     model_path: Path | None = None,
     engine: Engine | None = None,
     sensor: TemperatureSource | None = None,
+    config_path: Path | None = None,
+    reporter: ConditionReporter | None = None,
 ) -> FastAPI:
+    """`config_path`: where to reload the thermal policy from (None: never reload).
+    `reporter`: where the thermal condition goes (default: `pod_reporter(config)`)."""
     metrics = Metrics()
     chosen = engine or build_engine(config, model_path, metrics.observe_step)
     state = AppState(
@@ -73,12 +107,37 @@ def create_app(
     )
     # Smoothed (EWMA: fast attack, slow release) and NVML / npu-smi when configured.
     source = sensor or build_source(config.sensors)
+    state.governor = Governor(config.thermal, chosen.state().capacity, chosen.set_max_batch_size)
+    report = reporter if reporter is not None else pod_reporter(config)
+
+    def on_sample(temps: dict[str, float]) -> None:
+        state.temperatures = temps
+        metrics.set_temperatures(temps)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.engine.start()
         metrics.bind_engine(state.engine.state)
-        poller = asyncio.create_task(_poll_sensors(state, source, config.sensors.interval_seconds))
+        assert state.governor is not None
+        tasks = [
+            asyncio.create_task(
+                control.govern(
+                    source,
+                    state.governor,
+                    config.sensors.interval_seconds,
+                    on_sample=on_sample,
+                    reporter=report,
+                )
+            )
+        ]
+        if config_path is not None:
+            tasks.append(
+                asyncio.create_task(
+                    control.reload_policy(config_path, state.governor, reporter=report)
+                )
+            )
+        if report is not None:
+            tasks.append(asyncio.create_task(report.run()))
         state.ready = True
         log.info("ready: serving %s", state.engine.info.model_id)
         try:
@@ -86,9 +145,11 @@ def create_app(
         finally:
             state.ready = False
             state.draining = True
-            poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poller
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await state.engine.stop()
 
     app = FastAPI(title="Ember runtime", lifespan=lifespan, openapi_url="/openapi.json")
@@ -100,15 +161,3 @@ def create_app(
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(BodyLimit, limit=config.server.max_body_bytes)
     return app
-
-
-async def _poll_sensors(state: AppState, source: TemperatureSource, interval: float) -> None:
-    while True:
-        try:
-            temps = await asyncio.to_thread(source.read)
-        except Exception:  # a broken sensor must not take serving down
-            log.exception("temperature read failed")
-        else:
-            state.temperatures = temps
-            state.metrics.set_temperatures(temps)
-        await asyncio.sleep(interval)

@@ -148,8 +148,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 class BatchSizeRequest(BaseModel):
+    """A manual override of the thermal governor's batch limit, until it expires."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     max_batch_size: Annotated[int, Field(ge=1, alias="maxBatchSize")]
+    expires_in_seconds: Annotated[
+        float, Field(gt=0, le=86_400, alias="expiresInSeconds", strict=False)
+    ] = 600.0
 
 
 # --- responses ------------------------------------------------------------------------------
@@ -243,3 +248,7 @@ class AdminState(BaseModel):
     steps: int
     temperatures: dict[str, float]
     draining: bool
+    thermal_reason: str = Field(serialization_alias="thermalReason")
+    override_expires_in_seconds: float | None = Field(
+        default=None, serialization_alias="overrideExpiresInSeconds"
+    )

@@ -39,6 +39,7 @@ class Settings:
     config: RuntimeConfig
     model_path: Path | None  # an explicit --model wins over the config's files
     log_level: str
+    config_path: Path | None = None  # the file the thermal policy is reloaded from, if any
 
 
 def parser() -> argparse.ArgumentParser:
@@ -75,7 +76,21 @@ def load_settings(argv: list[str] | None = None) -> Settings:
         if flag is not None:
             data[section][key] = flag
     config = RuntimeConfig.model_validate(data)  # one validation path for all three sources
-    return Settings(config=config, model_path=model, log_level=args.log_level)
+    return Settings(
+        config=config,
+        model_path=model,
+        log_level=args.log_level,
+        config_path=_config_path(args.config),
+    )
+
+
+def _config_path(path: Path | None) -> Path | None:
+    env = os.environ.get(CONFIG_ENV)
+    if path is not None:
+        return path
+    if env is not None:
+        return Path(env)
+    return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
 
 
 def _base_config(path: Path | None, model: Path | None) -> RuntimeConfig:

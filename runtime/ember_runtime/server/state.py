@@ -11,6 +11,7 @@ from fastapi import Request
 from ember_runtime.engines.base import Engine
 from ember_runtime.server.errors import APIError
 from ember_runtime.server.metrics import Metrics
+from ember_runtime.thermal.governor import Governor
 
 
 @dataclass
@@ -22,6 +23,7 @@ class AppState:
     ready: bool = False
     draining: bool = False
     temperatures: dict[str, float] = field(default_factory=dict)
+    governor: Governor | None = None
     started: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -1,0 +1,122 @@
+"""The one writer of InferenceDeployment status.
+
+Everything that changes status — a reconcile, a pod's readiness or `ember.dev/Thermal`
+condition, a Deployment's rollout — calls `StatusWriter.write`, which computes the whole status
+from observed state (pure, `status.compute_status`) and patches only the fields that changed. No
+Kopf `patch.status` beside it, so two paths can never undo each other's writes; a per-object lock
+orders concurrent callers (Kopf runs sync handlers in threads), and the last status written is
+the base of the next diff, so a burst of pod events yields one write per real change.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+
+from ember_operator import metrics, render, status
+from ember_operator.api import GROUP, PLURAL, VERSION
+from ember_operator.apply import request
+
+Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Observation:
+    deployment: Mapping[str, Any] | None
+    pods: list[Mapping[str, Any]]
+    problems: list[render.Problem]
+    desired: int = 0
+    thermal: status.Thermal | None = None
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class StatusWriter:
+    def __init__(self, api: ApiClient, timeout: float) -> None:
+        self._api, self._timeout = api, timeout
+        self._locks: dict[Key, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._written: dict[Key, tuple[str, dict[str, Any]]] = {}  # key -> (uid, status)
+        self.writes = 0
+
+    def _lock(self, key: Key) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def write(self, body: Mapping[str, Any], obs: Observation, *, announce: bool = True) -> bool:
+        """Patch what changed; True when a write happened. Raises ApiException on failure."""
+        meta = body["metadata"]
+        key: Key = (meta["namespace"], meta["name"])
+        with self._lock(key):
+            cached = self._written.get(key)
+            old = (
+                cached[1] if cached and cached[0] == meta["uid"] else dict(body.get("status") or {})
+            )
+            new = status.compute_status(
+                status.Observed(
+                    generation=int(meta.get("generation", 0)),
+                    desired=obs.desired,
+                    deployment=obs.deployment,
+                    pods=obs.pods,
+                    problems=obs.problems,
+                    selector=render.selector_string(meta["name"]),
+                    thermal=obs.thermal,
+                ),
+                old,
+                _now(),
+            )
+            changed = status.changed_fields(new, old)
+            if changed:
+                self._patch(key, changed)
+            self._written[key] = (meta["uid"], new)
+        conds = {c["type"]: c for c in new["conditions"]}
+        metrics.record_conditions(key, {t: c["status"] for t, c in conds.items()})
+        if announce:
+            _announce_degraded(body, conds[status.DEGRADED], old.get("conditions") or [])
+        return bool(changed)
+
+    def _patch(self, key: Key, changed: Mapping[str, Any]) -> None:
+        namespace, name = key
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
+        try:
+            request(
+                self._api,
+                "PATCH",
+                path,
+                body={"status": dict(changed)},  # our own fields: a merge patch is exact here
+                content_type="application/merge-patch+json",
+                timeout=self._timeout,
+            )
+        except ApiException as exc:
+            if exc.status == 404:  # deleted meanwhile: nothing to report on
+                return
+            raise
+        self.writes += 1
+        metrics.API_WRITES.labels(kind="InferenceDeployment", verb="status").inc()
+
+    def forget(self, key: Key) -> None:
+        with self._guard:
+            self._written.pop(key, None)
+            self._locks.pop(key, None)
+        metrics.record_conditions(key, None)
+
+
+def _announce_degraded(
+    body: Mapping[str, Any], degraded: Mapping[str, Any], old: list[Mapping[str, Any]]
+) -> None:
+    """One Warning Event per new Degraded reason, not one per refresh."""
+    if degraded["status"] != "True":
+        return
+    before = next((c for c in old if c.get("type") == status.DEGRADED), {})
+    if before.get("status") == "True" and before.get("reason") == degraded["reason"]:
+        return
+    kopf.warn(body, reason=degraded["reason"], message=degraded["message"])  # type: ignore[arg-type]

@@ -1,0 +1,139 @@
+"""The runtime's own thermal governor: every sensor sample → the batch limit in force.
+
+No network between the sensor and the engine: the sampler calls `Governor.apply` with the
+smoothed hottest reading (EWMA: rising readings count at once, falling ones are smoothed), the
+policy from the ConfigMap turns it into a limit, and the engine gets it before the next decode
+step. `PUT /admin/batch` sets a manual override that wins until it expires; the policy takes over
+again at the first sample after that.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ember_runtime.config import ThermalPolicy, ThermalReading
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OVERRIDE_SECONDS = 600.0
+MAX_OVERRIDE_SECONDS = 86_400.0
+
+
+@dataclass(frozen=True)
+class Override:
+    batch: int
+    until: float  # monotonic
+
+
+@dataclass(frozen=True)
+class GovernorState:
+    temperature_celsius: float | None
+    batch: int
+    capacity: int
+    reason: str
+    override: Override | None
+
+    def reading(self) -> ThermalReading:
+        temp = self.temperature_celsius
+        return ThermalReading(
+            reason=self.reason,
+            temperature_celsius=None if temp is None else round(temp),
+            max_batch_size=self.batch,
+            capacity=self.capacity,
+        )
+
+
+class Governor:
+    """Holds the policy (reloadable), the batch in force and an optional manual override.
+
+    `apply` runs on the sampler's schedule; `set_override`/`set_policy` come from HTTP handlers
+    and the config reloader, so state changes go through one lock.
+    """
+
+    def __init__(
+        self,
+        policy: ThermalPolicy,
+        capacity: int,
+        set_batch: Callable[[int], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._capacity = capacity
+        self._set_batch, self._clock = set_batch, clock
+        self._lock = threading.Lock()
+        self._policy = self._fit(policy)
+        self._batch = self._policy.max_batch_size  # in force
+        # The policy's own value, kept up to date under an override too, so the policy resumes
+        # from its own hysteresis state (not from the override's value) when that expires.
+        self._policy_batch = self._batch
+        self._temp: float | None = None
+        self._override: Override | None = None
+        set_batch(self._batch)  # the policy's maximum may be below the engine's capacity
+
+    def _fit(self, policy: ThermalPolicy) -> ThermalPolicy:
+        """The engine cannot run more sequences than it allocated for (its capacity)."""
+        top = min(policy.max_batch_size, self._capacity)
+        bottom = min(policy.min_batch_size, top)
+        return policy.model_copy(update={"max_batch_size": top, "min_batch_size": bottom})
+
+    @property
+    def policy(self) -> ThermalPolicy:
+        return self._policy
+
+    def set_policy(self, policy: ThermalPolicy) -> GovernorState:
+        with self._lock:
+            self._policy = self._fit(policy)
+        log.info("thermal policy reloaded: %s", self._policy.model_dump(by_alias=True))
+        return self.apply(self._temp)
+
+    def set_override(self, batch: int, seconds: float) -> GovernorState:
+        if not 1 <= batch <= self._capacity:
+            raise ValueError(f"maxBatchSize must be within 1..{self._capacity}, got {batch}")
+        if not 0 < seconds <= MAX_OVERRIDE_SECONDS:
+            raise ValueError(f"expiresInSeconds must be within (0, {MAX_OVERRIDE_SECONDS:.0f}]")
+        with self._lock:
+            self._override = Override(batch, self._clock() + seconds)
+        return self.apply(self._temp)
+
+    def clear_override(self) -> GovernorState:
+        with self._lock:
+            self._override = None
+        return self.apply(self._temp)
+
+    def apply(self, temp: float | None) -> GovernorState:
+        """One sample: decide the limit, hand it to the engine if it changed."""
+        with self._lock:
+            self._temp = temp
+            override = self._override
+            if override is not None and self._clock() >= override.until:
+                log.info("manual batch override %d expired", override.batch)
+                self._override = override = None
+            self._policy_batch = self._policy.next_batch(temp, self._policy_batch)
+            wanted = override.batch if override is not None else self._policy_batch
+            changed, before = wanted != self._batch, self._batch
+            self._batch = wanted
+            state = self._state_locked()
+        if changed:
+            self._set_batch(wanted)  # outside the lock: the engine takes its own
+            log.info("thermal: %s °C, batch %d -> %d", _fmt(temp), before, wanted)
+        return state
+
+    def state(self) -> GovernorState:
+        with self._lock:
+            return self._state_locked()
+
+    def _state_locked(self) -> GovernorState:
+        return GovernorState(
+            temperature_celsius=self._temp,
+            batch=self._batch,
+            capacity=self._policy.max_batch_size,
+            reason=self._policy.reason(self._temp, self._batch),
+            override=self._override,
+        )
+
+
+def _fmt(temp: float | None) -> str:
+    return "?" if temp is None else f"{temp:.1f}"

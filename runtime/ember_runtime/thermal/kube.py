@@ -1,0 +1,87 @@
+"""The smallest Kubernetes client the node side needs: one strategic-merge patch of a condition.
+
+Why not the `kubernetes` package: the runtime writes one kind of request, and this keeps its
+token handling explicit — the projected ServiceAccount token is re-read on every request,
+because the kubelet rotates it (bound tokens expire; the file is replaced before they do).
+
+Why a strategic-merge patch: `status.conditions` of Pods and Nodes merges by `type`, so the patch
+adds or replaces Ember's condition and leaves the kubelet's (Ready, PodScheduled, …) alone. A JSON
+merge patch would replace the whole list.
+
+Edge control planes: a pod on a KubeEdge or OpenYurt node reaches the API server through its
+node's proxy (MetaServer, YurtHub), which `KUBERNETES_SERVICE_HOST/PORT` point at there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# Where the token and CA are, if not in a pod's usual place (a runtime run by hand on a node).
+SA_DIR_ENV = "EMBER_SERVICEACCOUNT_DIR"
+STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+
+
+class ApiError(Exception):
+    """The API server answered, with an error status; `status` says which."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}: {text[:300]}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    server: str  # https://host:port
+    token_file: Path
+    ca_file: Path | None
+
+    @classmethod
+    def in_cluster(cls) -> Endpoint:
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise RuntimeError("not in a pod: KUBERNETES_SERVICE_HOST is not set")
+        host = f"[{host}]" if ":" in host else host  # IPv6 literal
+        sa_dir = Path(os.environ.get(SA_DIR_ENV) or SA_DIR)
+        return cls(f"https://{host}:{port}", sa_dir / "token", sa_dir / "ca.crt")
+
+
+def pod_status_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/pods/{name}/status"
+
+
+def node_status_path(name: str) -> str:
+    return f"/api/v1/nodes/{name}/status"
+
+
+class ConditionPatcher:
+    """Patches one object's `status.conditions` with one condition (merged by type)."""
+
+    def __init__(self, endpoint: Endpoint, path: str, timeout: float = 5.0) -> None:
+        self._endpoint, self._path = endpoint, path
+        verify: ssl.SSLContext | bool = True
+        if endpoint.ca_file is not None:
+            verify = ssl.create_default_context(cafile=str(endpoint.ca_file))
+        self._http = httpx.AsyncClient(base_url=endpoint.server, verify=verify, timeout=timeout)
+
+    async def write(self, condition: dict[str, Any]) -> None:
+        token = self._endpoint.token_file.read_text().strip()  # re-read: rotated by the kubelet
+        body = json.dumps({"status": {"conditions": [condition]}})
+        resp = await self._http.patch(
+            self._path,
+            content=body,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": STRATEGIC_MERGE},
+        )
+        if resp.status_code >= 300:
+            raise ApiError(resp.status_code, resp.text)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

@@ -1,0 +1,146 @@
+"""Reports the thermal state as a condition, on change only: coalesced, newest wins, retried.
+
+Like the kubelet's status manager: the newest state lives in memory, one task writes it, and when
+the API server is away the task retries with capped backoff and writes the newest state (not a
+backlog) when it answers again.
+
+When a state is worth a write (`worth_reporting`): the first one (a restarted container must
+replace its predecessor's condition), a change of reason (Normal/Throttled/Critical/…) or of the
+batch limit, or a temperature `band_celsius` away from the last written one. The band is centred
+on the last written value rather than fixed edges, so a reading wobbling on an edge never writes
+twice; the operator uses it for TEMP, `/metrics` has the live value.
+
+Rate: at most one write per `min_interval` (2 s by default). A ramp of 1 °C/s with 2 °C steps
+changes the batch every 2 s at most, so coalescing loses no step of a real ramp; it bounds a
+pathological sensor to 0.5 writes/s per pod (500/s at 1,000 pods would still be too many, which is
+why the band and the change-only rule come first: a steady fleet writes nothing). Backoff starts
+at 0.5 s and is capped at 4 s, so the newest state lands within ~4 s of the API server's return,
+well inside the 10 s the operator's status may lag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ember_runtime.config import ThermalReading, thermal_condition
+
+log = logging.getLogger(__name__)
+
+MIN_INTERVAL_SECONDS = 2.0
+BACKOFF_INITIAL_SECONDS = 0.5
+BACKOFF_CAP_SECONDS = 4.0
+
+
+class ConditionWriter(Protocol):
+    async def write(self, condition: dict[str, Any]) -> None: ...
+
+
+def worth_reporting(last: ThermalReading | None, new: ThermalReading, band: float) -> bool:
+    if last is None:
+        return True
+    if (last.reason, last.max_batch_size, last.capacity) != (
+        new.reason,
+        new.max_batch_size,
+        new.capacity,
+    ):
+        return True
+    if (last.temperature_celsius is None) != (new.temperature_celsius is None):
+        return True
+    if last.temperature_celsius is None or new.temperature_celsius is None:
+        return False
+    return abs(new.temperature_celsius - last.temperature_celsius) >= band
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ConditionReporter:
+    def __init__(
+        self,
+        writer: ConditionWriter,
+        *,
+        band_celsius: float,
+        min_interval: float = MIN_INTERVAL_SECONDS,
+        backoff_initial: float = BACKOFF_INITIAL_SECONDS,
+        backoff_cap: float = BACKOFF_CAP_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._writer = writer
+        self.band_celsius = band_celsius
+        self._min_interval, self._clock = min_interval, clock
+        self._backoff_initial, self._backoff_cap = backoff_initial, backoff_cap
+        self._written: ThermalReading | None = None
+        self._pending: ThermalReading | None = None
+        self._since: str | None = None  # lastTransitionTime of the written status
+        self._last_write = float("-inf")
+        self._wake = asyncio.Event()
+        self.writes = 0
+        self.failures = 0
+
+    @property
+    def written(self) -> ThermalReading | None:
+        return self._written
+
+    @property
+    def pending(self) -> ThermalReading | None:
+        return self._pending
+
+    def offer(self, reading: ThermalReading) -> None:
+        """The newest state; queued only if it is worth a write against the last written one."""
+        if worth_reporting(self._written, reading, self.band_celsius):
+            self._pending = reading
+            self._wake.set()
+        else:
+            self._pending = None  # back where the written condition already says: nothing to do
+
+    def _condition(self, reading: ThermalReading) -> dict[str, Any]:
+        cond = thermal_condition(reading, _now())
+        if self._written is not None and self._written.limited == reading.limited and self._since:
+            cond["lastTransitionTime"] = self._since  # moves only when status flips
+        return cond
+
+    async def _write_pending(self) -> None:
+        """Write the newest pending state once; retry with capped backoff until it lands."""
+        delay = self._backoff_initial
+        while (reading := self._pending) is not None:
+            wait = self._last_write + self._min_interval - self._clock()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue  # a newer state may have arrived meanwhile: take that one
+            cond = self._condition(reading)
+            try:
+                await self._writer.write(cond)
+            except Exception as exc:  # any failure is retried; the log says which
+                self.failures += 1
+                log.warning("thermal condition not written (retry in %.1fs): %s", delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(self._backoff_cap, delay * 2)
+                continue
+            self.writes += 1
+            self._last_write = self._clock()
+            self._written, self._since = reading, cond["lastTransitionTime"]
+            if self._pending is reading:
+                self._pending = None
+            delay = self._backoff_initial
+
+    async def run(self) -> None:
+        """Until cancelled: wake on each new state worth writing, write the newest."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._write_pending()
+
+    async def flush(self, timeout: float) -> bool:
+        """Best effort at shutdown: write what is pending if the API server answers in time."""
+        if self._pending is None:
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._write_pending(), timeout)
+        return self._pending is None

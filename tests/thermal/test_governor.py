@@ -1,0 +1,196 @@
+"""The runtime's governor and condition reporter, without a cluster: injected clocks, a writer
+that records or fails, the real policy."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ember_runtime.config import ThermalPolicy, ThermalReading
+from ember_runtime.thermal.governor import Governor
+from ember_runtime.thermal.reporter import ConditionReporter, worth_reporting
+
+POLICY = ThermalPolicy(max_batch_size=16, min_batch_size=4, throttle_celsius=78)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def governor(clock: Clock | None = None, capacity: int = 16) -> tuple[Governor, list[int]]:
+    pushed: list[int] = []
+    gov = Governor(POLICY, capacity, pushed.append, clock or Clock())
+    return gov, pushed
+
+
+def test_each_sample_sets_the_limit_and_only_changes_reach_the_engine() -> None:
+    gov, pushed = governor()
+    assert pushed == [16]  # the initial limit
+    for temp in (60.0, 84.0, 84.0, 86.0, 74.0):
+        gov.apply(temp)
+    assert pushed == [16, 13, 12, 16]
+    state = gov.apply(91.0)
+    assert (state.batch, state.reason) == (10, "Critical")
+
+
+def test_policy_max_is_capped_by_the_engine_capacity() -> None:
+    gov, pushed = governor(capacity=8)
+    assert pushed == [8]
+    assert gov.apply(84.0).batch == 5  # 8 - 3 steps
+    assert gov.state().capacity == 8
+
+
+def test_override_wins_until_it_expires() -> None:
+    clock = Clock()
+    gov, pushed = governor(clock)
+    gov.set_override(2, seconds=30)
+    assert gov.apply(60.0).batch == 2
+    clock.now = 29.9
+    assert gov.apply(84.0).override is not None
+    clock.now = 30.0
+    state = gov.apply(84.0)
+    assert (state.batch, state.override) == (13, None)
+    assert pushed == [16, 2, 13]
+    with pytest.raises(ValueError, match=r"within 1\.\.16"):
+        gov.set_override(17, seconds=30)
+    with pytest.raises(ValueError, match="expiresInSeconds"):
+        gov.set_override(4, seconds=0)
+
+
+def test_reloaded_policy_applies_at_once_to_the_last_reading() -> None:
+    gov, pushed = governor()
+    gov.apply(80.0)
+    assert pushed[-1] == 15
+    state = gov.set_policy(POLICY.model_copy(update={"throttle_celsius": 70.0}))
+    assert state.batch == 11  # 80 °C is five 2 °C steps above 70
+
+
+@pytest.mark.parametrize(
+    ("last", "new", "report"),
+    [
+        (None, ThermalReading("Normal", 50, 16, 16), True),  # the first, always
+        (ThermalReading("Normal", 50, 16, 16), ThermalReading("Normal", 51, 16, 16), False),
+        (ThermalReading("Normal", 50, 16, 16), ThermalReading("Normal", 52, 16, 16), True),
+        (ThermalReading("Normal", 50, 16, 16), ThermalReading("Normal", 48, 16, 16), True),
+        (ThermalReading("Throttled", 84, 13, 16), ThermalReading("Throttled", 84, 12, 16), True),
+        (ThermalReading("Throttled", 84, 13, 16), ThermalReading("Critical", 84, 13, 16), True),
+        (ThermalReading("Normal", 50, 16, 16), ThermalReading("NoReading", None, 16, 16), True),
+    ],
+)
+def test_worth_reporting(last: ThermalReading | None, new: ThermalReading, report: bool) -> None:
+    assert worth_reporting(last, new, band=2.0) is report
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.conditions: list[dict[str, Any]] = []
+        self.fail = False
+        self.attempts = 0
+
+    async def write(self, condition: dict[str, Any]) -> None:
+        self.attempts += 1
+        if self.fail:
+            raise ConnectionError("API server away")
+        self.conditions.append(condition)
+
+
+async def test_reporter_coalesces_newest_wins_and_is_quiet_when_nothing_changes() -> None:
+    rec = Recorder()
+    rep = ConditionReporter(rec, band_celsius=2.0, min_interval=0.3)
+    task = asyncio.create_task(rep.run())
+    try:
+        rep.offer(ThermalReading("Normal", 60, 16, 16))
+        await asyncio.sleep(0.05)
+        for batch in (15, 14, 13):  # a burst inside one interval: only the newest is written
+            rep.offer(ThermalReading("Throttled", 84, batch, 16))
+        await asyncio.sleep(0.5)
+        for _ in range(20):
+            rep.offer(ThermalReading("Throttled", 84, 13, 16))  # unchanged: nothing to write
+        await asyncio.sleep(0.5)
+    finally:
+        task.cancel()
+    assert [c["message"] for c in rec.conditions] == ["60 °C, batch 16/16", "84 °C, batch 13/16"]
+    assert rec.conditions[1]["status"] == "True" and rec.conditions[1]["reason"] == "Throttled"
+    assert rep.writes == 2
+
+
+async def test_reporter_retries_with_capped_backoff_and_flushes_the_newest() -> None:
+    rec = Recorder()
+    rep = ConditionReporter(
+        rec, band_celsius=2.0, min_interval=0.0, backoff_initial=0.05, backoff_cap=0.2
+    )
+    task = asyncio.create_task(rep.run())
+    try:
+        rec.fail = True
+        rep.offer(ThermalReading("Throttled", 84, 13, 16))
+        await asyncio.sleep(0.3)
+        rep.offer(ThermalReading("Critical", 92, 6, 16))  # newer state while away
+        await asyncio.sleep(0.7)
+        failed = rec.attempts
+        assert 4 <= failed <= 10  # 0.05, 0.1, 0.2, 0.2, ... : capped, not hammering
+        rec.fail = False
+        await asyncio.sleep(0.35)  # within one capped backoff of the return
+    finally:
+        task.cancel()
+    assert [c["message"] for c in rec.conditions] == ["92 °C, batch 6/16"]
+    assert rep.pending is None
+
+
+async def test_transition_time_moves_only_when_status_flips() -> None:
+    rec = Recorder()
+    rep = ConditionReporter(rec, band_celsius=2.0, min_interval=0.0)
+    task = asyncio.create_task(rep.run())
+    try:
+        rep.offer(ThermalReading("Throttled", 84, 13, 16))
+        await asyncio.sleep(0.05)
+        rep._since = "2020-01-01T00:00:00Z"  # as if written long ago
+        rep.offer(ThermalReading("Throttled", 86, 12, 16))
+        await asyncio.sleep(0.05)
+        rep.offer(ThermalReading("Normal", 70, 16, 16))
+        await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+    times = [c["lastTransitionTime"] for c in rec.conditions]
+    assert times[1] == "2020-01-01T00:00:00Z" and times[2] != times[1]
+
+
+def test_node_agent_classifies_the_hottest_sensor() -> None:
+    from ember_runtime.nodeagent.__main__ import node_reading
+
+    assert node_reading(POLICY, {"a": 60.0, "b": 76.0}) == ThermalReading("Throttled", 76)
+    assert node_reading(POLICY, {"a": 74.9}).reason == "Normal"  # below throttle − hysteresis
+    assert node_reading(POLICY, {"a": 90.0}).reason == "Critical"
+    assert node_reading(POLICY, {}) == ThermalReading("NoReading", None)
+
+
+def test_no_api_access_means_no_reporter_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from ember_runtime.config import RuntimeConfig, SensorSettings
+    from ember_runtime.server.app import pod_reporter
+
+    config = RuntimeConfig(
+        model_name="m", model_dir="/m", sensors=SensorSettings(report_condition=True)
+    )
+    monkeypatch.setenv("POD_NAME", "p")
+    monkeypatch.setenv("POD_NAMESPACE", "ns")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert pod_reporter(config) is None  # not in a pod
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("EMBER_SERVICEACCOUNT_DIR", str(tmp_path))
+    assert pod_reporter(config) is None  # no token mounted
+    (tmp_path / "token").write_text("t")
+    (tmp_path / "ca.crt").write_text("not a certificate")
+    assert pod_reporter(config) is None  # a broken CA bundle: still serving
+    (tmp_path / "ca.crt").write_text(
+        Path(ssl.get_default_verify_paths().openssl_cafile).read_text()
+    )
+    reporter = pod_reporter(config)
+    assert reporter is not None and reporter.band_celsius == 2.0
