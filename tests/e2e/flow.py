@@ -339,10 +339,17 @@ class Flow:
         return {header.split()[i]: row[a:b].strip() for i, (a, b) in enumerate(bounds)}
 
     def wait_columns(
-        self, name: str, namespace: str, want: Callable[[dict[str, str]], bool], what: str
+        self,
+        name: str,
+        namespace: str,
+        want: Callable[[dict[str, str]], bool],
+        what: str,
+        *,
+        timeout: float = 90,
+        poll: float = 1,
     ) -> dict[str, str]:
         with timed(f"waiting until `kubectl get infd {name}` shows {what}"):
-            deadline, last = time.monotonic() + 90, dict[str, str]()
+            deadline, last = time.monotonic() + timeout, dict[str, str]()
             while time.monotonic() < deadline:
                 cols = self.get_columns(name, namespace)
                 if cols != last:
@@ -350,7 +357,7 @@ class Flow:
                     last = cols
                 if want(cols):
                     return cols
-                time.sleep(1)
+                time.sleep(poll)
             raise TimeoutError(f"`kubectl get infd {name}` never showed {what}: {last}")
 
     def heat_and_cool(self, name: str, namespace: str) -> tuple[dict[str, str], dict[str, str]]:

@@ -12,10 +12,11 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from tests.conftest import Kube, NodeHandle
-from tests.e2e.flow import FAKE_NPUS, HOT_CELSIUS, RELEASE, SYSTEM_NS, Flow
+from tests.e2e.flow import COOL_CELSIUS, FAKE_NPUS, HOT_CELSIUS, RELEASE, SYSTEM_NS, Flow
 from tests.e2e.local import local_flow
 
 # The first test's setup builds Ember's images: the runtime's first build compiles llama.cpp.
@@ -77,6 +78,41 @@ def test_heat_lowers_the_batch_in_kubectl_get(flow: Flow, served: str) -> None:
     # TEMP is the runtime's smoothed reading: at 86-87 °C the batch is 8 - floor((T-78)/2) = 4.
     assert hot["BATCH"] == "4" and 86 <= int(hot["TEMP"]) <= HOT_CELSIUS, hot
     assert cool["BATCH"] == "8", cool
+
+
+def test_heat_with_the_api_server_down(flow: Flow, served: str, kube: Kube) -> None:
+    """The thermal loop runs on the node: with the API server stopped, heating the sensor still
+    lowers the runtime's batch within 1 s (read from the pod itself, over the node's pod
+    network); once the API server is back, the pod's condition and `kubectl get infd` catch up
+    within 10 s."""
+    (pod,) = flow.pods(NAME, served)
+    ip = flow.run_kubectl("get", "pod", pod, "-n", served, "-o", "jsonpath={.status.podIP}")
+    state = f"http://{ip}:8080/admin/state"
+    assert httpx.get(state, timeout=5).json()["maxBatchSize"] == 8
+    cp = kube.cluster.cp
+    cp.procs.stop("kube-apiserver")
+    try:
+        assert not cp.ready()
+        flow.set_temperature(HOT_CELSIUS)
+        heated, batch = time.monotonic(), 8
+        while batch != 4 and time.monotonic() - heated < 5:
+            batch = httpx.get(state, timeout=2).json()["maxBatchSize"]
+            time.sleep(0.02)
+        reaction = time.monotonic() - heated
+    finally:
+        cp.up()  # starts the API server again (the rest is still running) and waits for /readyz
+    back = time.monotonic()
+    with flow.dumping(served):
+        hot = flow.wait_columns(
+            NAME, served, lambda c: c.get("BATCH") == "4", "BATCH 4", timeout=30, poll=0.2
+        )
+    caught_up = time.monotonic() - back
+    print(f"offline: batch 8 -> 4 in {reaction:.2f} s; status caught up {caught_up:.1f} s later")
+    assert batch == 4 and reaction <= 1.0, f"batch {batch} after {reaction:.2f} s"
+    assert caught_up <= 10.0, f"kubectl get infd caught up only after {caught_up:.1f} s"
+    assert 86 <= int(hot["TEMP"]) <= HOT_CELSIUS, hot
+    flow.set_temperature(COOL_CELSIUS)
+    flow.wait_columns(NAME, served, lambda c: c.get("BATCH") == "8", "BATCH 8")
 
 
 def test_edit_replaces_the_replica_on_a_full_node(flow: Flow, served: str) -> None:
