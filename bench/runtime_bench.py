@@ -509,6 +509,7 @@ def main() -> None:
     print(f"raw single-stream decode: {raw:.1f} tok/s ({raw_plain:.1f} without repack)")
     results: list[LevelResult] = []
     rss: dict[str, int] = {}
+    load_before = os.getloadavg()
     for server in servers(model, args.threads, args.servers.split(",")):
         server.start(RESULTS)
         try:
@@ -520,13 +521,18 @@ def main() -> None:
         finally:
             server.stop()
             rss[server.name] = server.peak_rss_bytes
+    load_after = os.getloadavg()
+    loads = (
+        f"load average (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, "
+        f"after {'/'.join(f'{x:.2f}' for x in load_after)}"
+    )
     command = "python bench/runtime_bench.py " + " ".join(sys.argv[1:])
     report = "\n".join(
         [
             f"`{command}` (threads {args.threads}, {os.cpu_count()} CPUs, context "
             f"{CTX_PER_SEQ} per sequence, {SLOTS} slots; llama-server "
             f"`-np {SLOTS} -c {CTX_PER_SEQ * SLOTS} -kvu "
-            f"--cache-ram {LLAMA_SERVER_CACHE_RAM_MIB}`)",
+            f"--cache-ram {LLAMA_SERVER_CACHE_RAM_MIB}`); {loads}",
             "",
             table(results, rss),
             "",
@@ -543,6 +549,7 @@ def main() -> None:
         "raw_decode_tok_s": raw,
         "raw_decode_no_repack_tok_s": raw_plain,
         "peak_rss_bytes": rss,
+        "load_average": {"before": load_before, "after": load_after},
         "results": [asdict(r) for r in results],
     }
     (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=2))

@@ -319,8 +319,10 @@ def main() -> None:
     limits = ThermalPolicy(
         max_batch_size=16, min_batch_size=4, throttle_celsius=78, celsius_per_step=args.step
     )
+    load_before = os.getloadavg()
     static = asyncio.run(one_run(False, args, limits))
     adaptive = asyncio.run(one_run(True, args, limits))
+    load_after = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / "thermal_bench"
     plot(static, adaptive, stem.with_suffix(".png"))
@@ -328,7 +330,9 @@ def main() -> None:
         [
             f"clients {args.clients}, max_tokens {args.max_tokens}, ramp {args.duration:.0f}s, "
             f"step {args.step:g} °C, CPU {args.cpus:g} core(s) → 45% at 92 °C, "
-            f"threads {args.threads}",
+            f"threads {args.threads}; load average (1/5/15 min) before "
+            f"{'/'.join(f'{x:.2f}' for x in load_before)}, after "
+            f"{'/'.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs",
             table(static, adaptive, args.duration),
             "",
             "adaptive batch changes:",
@@ -342,6 +346,7 @@ def main() -> None:
     delays = reaction_delays(adaptive, limits, args.duration)
     figures = {
         "args": {k: str(v) for k, v in vars(args).items()},
+        "loadAverage": {"before": load_before, "after": load_after},
         "static": band_stats(static, args.duration),
         "adaptive": band_stats(adaptive, args.duration),
         "reactions": [
