@@ -331,12 +331,8 @@ class Flow:
         return {k: env[k] for k in names if k in env}
 
     def get_columns(self, name: str, namespace: str) -> dict[str, str]:
-        """`kubectl get infd NAME` as {COLUMN: value}, cut at the header's column offsets: an
-        empty cell (TEMP before any reading) must not shift the columns after it."""
-        header, row = self.run_kubectl("get", "infd", name, "-n", namespace).splitlines()[:2]
-        starts = [m.start() for m in re.finditer(r"\S+", header)]
-        bounds = zip(starts, [*starts[1:], None], strict=True)
-        return {header.split()[i]: row[a:b].strip() for i, (a, b) in enumerate(bounds)}
+        """`kubectl get infd NAME` as {COLUMN: value} (see `table_columns`)."""
+        return table_columns(self.run_kubectl("get", "infd", name, "-n", namespace))
 
     def wait_columns(
         self,
@@ -499,6 +495,15 @@ class Flow:
         ):
             parts.append(f"--- kubectl {' '.join(args)}\n" + self.run_kubectl(*args, check=False))
         return "\n".join(parts)
+
+
+def table_columns(table: str) -> dict[str, str]:
+    """The first row of a `kubectl get` table as {COLUMN: value}, cut at the header's column
+    offsets: an empty cell (TEMP before any reading) must not shift the columns after it."""
+    header, row = table.splitlines()[:2]
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    bounds = zip(starts, [*starts[1:], None], strict=True)
+    return {header.split()[i]: row[a:b].strip() for i, (a, b) in enumerate(bounds)}
 
 
 def _condition(obj: dict[str, Any], kind: str) -> str | None:

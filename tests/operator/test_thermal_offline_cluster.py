@@ -14,7 +14,6 @@ BATCH through the operator's pod watch, catch up within 10 s.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 import yaml
 from ember_runtime.config import THERMAL_CONDITION, RuntimeConfig
 
+from tests.e2e.flow import table_columns
 from tests.operator import rest
 from tests.operator.conftest import wait_for
 from tests.operator.specs import fleet_manifest
@@ -56,10 +56,7 @@ def policy(kube: Any, tmp_path: Path) -> Iterator[None]:
 
 
 def _columns(kube: Any, namespace: str, name: str) -> dict[str, str]:
-    header, row = kube.kubectl("-n", namespace, "get", "infd", name).splitlines()[:2]
-    starts = [m.start() for m in re.finditer(r"\S+", header)]
-    bounds = zip(starts, [*starts[1:], None], strict=True)
-    return {header.split()[i]: row[a:b].strip() for i, (a, b) in enumerate(bounds)}
+    return table_columns(kube.kubectl("-n", namespace, "get", "infd", name))
 
 
 def _pod_condition(kube: Any, namespace: str, pod: str) -> dict[str, Any] | None:
