@@ -29,7 +29,12 @@ class PodResourcesClient:
 
     async def owners(self, resource_name: str) -> dict[str, frozenset[str]]:
         """Map "namespace/pod/container" to the units of `resource_name` it holds."""
-        async with grpc.aio.insecure_channel(f"unix://{self._socket}") as channel:
+        # A private subchannel pool: gRPC otherwise shares one subchannel per address across
+        # channels, and after a kubelet restart that subchannel sits in reconnect backoff, so
+        # the first Lists against the new, healthy socket would still fail UNAVAILABLE.
+        async with grpc.aio.insecure_channel(
+            f"unix://{self._socket}", options=[("grpc.use_local_subchannel_pool", 1)]
+        ) as channel:
             stub = pr_grpc.PodResourcesListerStub(channel)
             resp: pr.ListPodResourcesResponse = await stub.List(
                 pr.ListPodResourcesRequest(), timeout=self._timeout
