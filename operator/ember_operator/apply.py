@@ -9,12 +9,21 @@ resource (slow and memory-hungry at 1,000 objects), while we only ever touch fou
 Zero writes in steady state: before applying, the desired manifest is compared as a *subset* of
 the live object (defaults added by the API server are ignored, quantities compared by value).
 Only when something we own differs — a deleted child, a hand edit, a new spec — do we PATCH.
+
+One apply per change, not one per event: the live objects come from watches, which lag our own
+writes, so `ensure` also remembers what it last applied to each child (a digest of the manifest
+and the generation the API server gave it). An owner event that sees a stale child does not
+re-apply what was just written; a change made by anyone else arrives as the child's own watch
+event, and `correct` compares that fresh body and re-applies if it drifted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +34,8 @@ from kubernetes.client.exceptions import ApiException
 
 from ember_operator import metrics, quantity
 from ember_operator.settings import FIELD_MANAGER
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,12 +74,37 @@ def object_path(kind: str, namespace: str, name: str | None = None) -> str:
     return f"{path}/{name}" if name else path
 
 
+ChildId = tuple[str, str, str]  # kind, namespace, name
+
+
+@dataclass(frozen=True)
+class Applied:
+    digest: str
+    generation: int  # metadata.generation the write produced (0 for kinds without one)
+
+
+def child_id(manifest: Mapping[str, Any]) -> ChildId:
+    meta = manifest["metadata"]
+    return manifest["kind"], meta["namespace"], meta["name"]
+
+
+def digest(manifest: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _owned(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    # apiVersion/kind are not part of listed items; everything else must match.
+    return {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind")}
+
+
 class Applier:
     """The operator's writes to children, all through one field manager."""
 
     def __init__(self, api: ApiClient, timeout: float) -> None:
         self.api = api
         self.timeout = timeout
+        self._applied: dict[ChildId, Applied] = {}
+        self._lock = threading.Lock()
 
     def _call(
         self,
@@ -102,9 +138,19 @@ class Applier:
             content_type="application/apply-patch+yaml",
         )
         metrics.API_WRITES.labels(kind=manifest["kind"], verb="apply").inc()
+        log.info("applied %s %s/%s", manifest["kind"], meta["namespace"], meta["name"])
+        generation = int((result.get("metadata") or {}).get("generation") or 0)
+        with self._lock:
+            self._applied[child_id(manifest)] = Applied(digest(manifest), generation)
         return result
 
+    def forget(self, ident: ChildId) -> None:
+        """The child is gone (deleted, or its owner is): the next ensure must apply it."""
+        with self._lock:
+            self._applied.pop(ident, None)
+
     def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.forget((kind, namespace, name))
         try:
             self._call("DELETE", object_path(kind, namespace, name))
             metrics.API_WRITES.labels(kind=kind, verb="delete").inc()
@@ -112,27 +158,35 @@ class Applier:
             if exc.status != 404:
                 raise
 
-    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return self._call("GET", object_path(kind, namespace, name))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
     def ensure(
         self, desired: list[dict[str, Any]], live: Mapping[str, Mapping[str, Any] | None]
     ) -> dict[str, dict[str, Any]]:
-        """Apply each manifest whose live counterpart (by kind) differs; return what was written."""
+        """Apply each manifest whose live counterpart (by kind, from a watch) differs, unless this
+        exact manifest is what we last wrote there; return what was written."""
         written: dict[str, dict[str, Any]] = {}
         for manifest in desired:
             current = live.get(manifest["kind"])
-            # apiVersion/kind are not part of listed items; everything else must match.
-            owned = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind")}
-            if current is not None and matches(owned, current):
+            if current is not None and matches(_owned(manifest), current):
                 continue
+            with self._lock:
+                last = self._applied.get(child_id(manifest))
+            if last is not None and last.digest == digest(manifest):
+                continue  # our write is on its way through the watch
             written[manifest["kind"]] = self.apply(manifest)
         return written
+
+    def correct(self, manifest: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
+        """A child's own watch event: re-apply if its fresh body drifted from `manifest`. Events
+        older than our last write (a lower generation) are skipped: the write supersedes them."""
+        if matches(_owned(manifest), live):
+            return False
+        with self._lock:
+            last = self._applied.get(child_id(manifest))
+        generation = int((live.get("metadata") or {}).get("generation") or 0)
+        if last is not None and last.digest == digest(manifest) and generation < last.generation:
+            return False
+        self.apply(manifest)
+        return True
 
 
 def request(
@@ -160,16 +214,6 @@ def request(
     if not 200 <= response.status <= 299:
         raise ApiException.from_response(http_resp=response, body=text, data=None)
     return dict(json.loads(text)) if text else {}
-
-
-def get_object(api: ApiClient, path: str, timeout: float) -> dict[str, Any] | None:
-    """GET one object by its API path, None when it is gone."""
-    try:
-        return request(api, "GET", path, timeout=timeout)
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
 
 
 def api_client() -> ApiClient:

@@ -1,11 +1,13 @@
 """Kopf wiring only: which events call what. Small, idempotent, sync handlers (Kopf runs them in
 its thread pool) except where noted.
 
-- InferenceDeployment create/update/resume and a slow resync timer → `reconcile` (children) →
-  `status_writer` (status).
+- Every InferenceDeployment event → `reconcile` (children, from the indexes) → `status_writer`
+  (status); transient failures retry through `requeue`. No timers, no finalizers, nothing of
+  Kopf's state written on the objects.
 - One watch over Ember's pods (an index of small summaries + an event handler) → the owner's
   status, on change only, and the hot-node queue (`thermal.nodes`).
-- Deployments' events → status (rollout progress) and repair of deleted children.
+- Children's events → drift repair (deleted, hand-edited or unwanted children); Deployments'
+  events also refresh status (rollout progress).
 - The hot-node queue (`thermal.nodes`) re-reads only the nodes it tainted and releases each once
   the node agent's `ember.dev/Thermal` condition says it has cooled.
 
@@ -31,40 +33,49 @@ from pydantic import ValidationError
 
 from ember_operator import metrics, render, status
 from ember_operator.api import GROUP, PLURAL, VERSION
-from ember_operator.apply import Applier, api_client
+from ember_operator.apply import Applier, api_client, child_id
 from ember_operator.reconcile import (
     CHILD_LABELS,
     Context,
     apply_children,
+    correct_child,
     first,
     key_of,
     planned,
     pods_of,
-    repair,
 )
 from ember_operator.settings import load_settings
 from ember_operator.status_writer import Observation, StatusWriter
 from ember_operator.thermal.nodes import HotNodes, Replica
 
 RESOURCE = (GROUP, VERSION, PLURAL)
-# Read once at import: Kopf needs the timer interval when the decorator runs.
+log = logging.getLogger(__name__)
 SETTINGS = load_settings()
-# API errors a retry cannot fix (the request itself is wrong); everything else backs off.
+INDEXES = (
+    "infd_index",
+    "configmap_index",
+    "service_index",
+    "deployment_index",
+    "pdb_index",
+    "pod_index",
+)
+# API errors that need a human (quota, policy, a malformed child): reported, retried slowly.
 PERMANENT_STATUSES = frozenset({400, 403, 422})
 
 
-class QuietTimerSuccess(logging.Filter):
-    """Drops Kopf's "Timer '…' succeeded." lines: the resync timer would log one per object
-    per period. Failures, retries and everything our handlers log still pass."""
+class QuietSuccess(logging.Filter):
+    """Drops Kopf's "Handler '…' succeeded." lines: event handlers run on every watch event
+    (a line per pod status change across the fleet). Failures, retries and everything our own
+    code logs (each child applied, each repair) still pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.INFO:
             return True
         message = record.getMessage()
-        return not (message.startswith("Timer '") and message.endswith("' succeeded."))
+        return not (message.startswith("Handler '") and message.endswith("' succeeded."))
 
 
-logging.getLogger("kopf.objects").addFilter(QuietTimerSuccess())
+logging.getLogger("kopf.objects").addFilter(QuietSuccess())
 
 
 @kopf.on.login()
@@ -117,13 +128,22 @@ async def start_hot_nodes(memo: kopf.Memo, **_: Any) -> None:
     memo.hot_task = asyncio.create_task(hot.run(), name="ember-hot-nodes")
 
 
+@kopf.on.startup()
+async def start_retries(memo: kopf.Memo, **_: Any) -> None:
+    ctx: Context = memo.ctx
+    memo.retry_task = asyncio.create_task(
+        ctx.requeue.run(lambda key, attempt: _retry(ctx, key, attempt)), name="ember-retries"
+    )
+
+
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
-    task = memo.get("hot_task")
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    for name in ("hot_task", "retry_task"):
+        task = memo.get(name)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     ctx = memo.get("ctx")
     if ctx is not None:
         ctx.api.close()
@@ -222,18 +242,14 @@ def refresh(ctx: Context, key: tuple[str, str], indexes: Mapping[str, Any], logg
         return
     try:
         ctx.writer.write(body, _observe(ctx, body, indexes))
-    except ApiException as exc:  # the next event or the resync writes it
+    except ApiException as exc:  # the next event writes it
         logger.warning("status of %s/%s not written: %s", key[0], key[1], exc.reason)
 
 
 # ----------------------------------------------------------------------------- reconcile
 
 
-def _backoff(retry: int) -> float:
-    return float(min(300, 5 * 2 ** min(retry, 6)))
-
-
-def _sync(ctx: Context, body: kopf.Body, indexes: Mapping[str, Any]) -> str:
+def _sync(ctx: Context, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> str:
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     try:
@@ -243,62 +259,68 @@ def _sync(ctx: Context, body: kopf.Body, indexes: Mapping[str, Any]) -> str:
         return "invalid"
     deployment = None
     if not plan.problems:  # else leave any running generation alone; status says why
-        deployment = apply_children(ctx, key, plan.manifests, indexes)
+        with ctx.owner_lock(key):
+            deployment = apply_children(ctx, key, plan.manifests, indexes)
     ctx.writer.write(body, _observe(ctx, body, indexes, deployment))
     return "problem" if plan.problems else "ok"
 
 
-def _handle(trigger: str, kwargs: Mapping[str, Any]) -> None:
-    ctx: Context = kwargs["memo"].ctx
-    body = kwargs["body"]
+def reconcile(
+    ctx: Context, body: Mapping[str, Any], indexes: Mapping[str, Any], trigger: str, attempt: int
+) -> None:
+    """Children and status of one object. An API error schedules a retry with backoff
+    (`requeue`); a request the API server refuses (a quota, a policy) also becomes the
+    ApplyRejected condition, and is still retried: whoever lifts the quota expects recovery."""
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
     started = time.monotonic()
     result = "error"
     try:
-        result = _sync(ctx, body, kwargs)
+        result = _sync(ctx, body, indexes)
+        ctx.requeue.clear(key)
     except ApiException as exc:
-        if exc.status in PERMANENT_STATUSES:
+        delay = ctx.requeue.later(key, attempt)
+        if exc.status in PERMANENT_STATUSES:  # e.g. a quota or a policy: a human must act
             detail = f"the API server refused a child: {exc.reason}: {(exc.body or '')[:400]}"
             problem = render.Problem("ApplyRejected", detail)
             ctx.writer.write(body, Observation(deployment=None, pods=[], problems=[problem]))
-            raise kopf.PermanentError(f"child rejected ({exc.status}): {exc.reason}") from exc
-        delay = _backoff(int(kwargs.get("retry") or 0))
-        raise kopf.TemporaryError(f"API error {exc.status}: {exc.reason}", delay=delay) from exc
+            result = "rejected"
+        log.warning("%s/%s: API error %s %s, retry in %.0fs", *key, exc.status, exc.reason, delay)
     finally:
         metrics.RECONCILES.labels(trigger=trigger, result=result).inc()
         metrics.RECONCILE_SECONDS.labels(trigger=trigger).observe(time.monotonic() - started)
 
 
-@kopf.on.resume(*RESOURCE)
-def on_resume(**kwargs: Any) -> None:
-    _handle("resume", kwargs)
+def _retry(ctx: Context, key: tuple[str, str], attempt: int) -> None:
+    body = first(ctx.indexes.get("infd_index"), key)
+    if body is not None and not body["metadata"].get("deletionTimestamp"):
+        reconcile(ctx, body, ctx.indexes, "retry", attempt)
 
 
-@kopf.on.create(*RESOURCE)
-def on_create(**kwargs: Any) -> None:
-    _handle("create", kwargs)
+@kopf.on.event(*RESOURCE)
+def infd_event(**kwargs: Any) -> None:
+    """Level-triggered: every event of an object (the initial listing at start included) runs
+    one reconcile, which writes only what differs. Why not Kopf's on.create/on.update/on.resume
+    or a timer: those keep their state on the object — a finalizer, a last-handled copy of the
+    spec, progress annotations — two to four writes per object and a finalizer that outlives
+    an uninstalled operator; events cost no writes at all."""
+    ctx: Context = kwargs["memo"].ctx
+    if not ctx.indexes:  # Kopf's indexes are live views: the retries read them later
+        ctx.indexes = {name: kwargs[name] for name in INDEXES}
+    body = kwargs["body"]
+    key = (str(kwargs["namespace"]), str(kwargs["name"]))
+    if kwargs["event"].get("type") == "DELETED":
+        _forget(ctx, body, key)
+    elif not body["metadata"].get("deletionTimestamp"):
+        reconcile(ctx, body, kwargs, "event", 0)
 
 
-@kopf.on.update(*RESOURCE, field="spec")
-def on_update(**kwargs: Any) -> None:
-    _handle("update", kwargs)
-
-
-@kopf.timer(*RESOURCE, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
-def resync(**kwargs: Any) -> None:
-    """Repair drift the watches cannot see; observed state itself arrives through the watches."""
-    if kwargs["meta"].get("deletionTimestamp"):
-        return
-    try:
-        _handle("timer", kwargs)
-    except (kopf.PermanentError, kopf.TemporaryError) as exc:
-        kwargs["logger"].warning("resync failed, next try in %ss: %s", SETTINGS.resync_seconds, exc)
-
-
-@kopf.on.delete(*RESOURCE, optional=True)
-def forget(namespace: str | None, name: str | None, memo: kopf.Memo, **_: Any) -> None:
-    ctx = memo.get("ctx")
-    if ctx is not None:
-        ctx.writer.forget((str(namespace), str(name)))
+def _forget(ctx: Context, body: Mapping[str, Any], key: tuple[str, str]) -> None:
+    ctx.writer.forget(key)
+    ctx.forget_owner(key)
+    with contextlib.suppress(ValidationError):
+        for manifest in planned(ctx, body).manifests:
+            ctx.applier.forget(child_id(manifest))
 
 
 # ----------------------------------------------------------------------------- pods and nodes
@@ -340,18 +362,26 @@ def pod_event(**kwargs: Any) -> None:
 
 
 def _on_child_event(kind: str, kwargs: Mapping[str, Any]) -> None:
+    """Drift repair, from the child's own watch: a deleted child is re-created, a hand-edited
+    one re-applied, an unwanted one (a PDB after scaling to one) deleted. Rollout progress and
+    readiness counts live in the Deployment's status, so its events also refresh the owner's."""
     key = key_of(kwargs.get("namespace"), kwargs.get("labels") or {})
     if key is None:
         return
     ctx: Context = kwargs["memo"].ctx
-    if kwargs["event"].get("type") != "DELETED":
-        if kind == "Deployment":  # rollout progress and readiness counts live in its status
-            refresh(ctx, key, kwargs, kwargs["logger"])
-        return
+    gone = kwargs["event"].get("type") == "DELETED"
     try:
-        repair(ctx, key[0], key[1], kind, kwargs["logger"])
-    except ApiException as exc:  # the resync timer will repair it later
-        kwargs["logger"].warning("could not re-create %s for %s: %s", kind, key, exc.reason)
+        done = correct_child(ctx, key, kind, None if gone else kwargs["body"], kwargs)
+    except ApiException as exc:  # the owner's next event, or its retry, applies it
+        kwargs["logger"].warning("could not correct %s of %s/%s: %s", kind, *key, exc.reason)
+        ctx.requeue.later(key, 0)
+        done = None
+    except ValidationError:
+        done = None  # the owner's own reconcile reports InvalidSpec
+    if done:
+        kwargs["logger"].info("%s %s of %s/%s", done, kind, *key)
+    if kind == "Deployment" and not gone:
+        refresh(ctx, key, kwargs, kwargs["logger"])
 
 
 @kopf.on.event("v1", "configmaps", labels=CHILD_LABELS)
@@ -367,3 +397,8 @@ def service_event(**kwargs: Any) -> None:
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 def deployment_event(**kwargs: Any) -> None:
     _on_child_event("Deployment", kwargs)
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
+def pdb_event(**kwargs: Any) -> None:
+    _on_child_event("PodDisruptionBudget", kwargs)

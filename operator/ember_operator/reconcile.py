@@ -1,7 +1,7 @@
 """Reconcile: spec → children, written only where they differ. No status here (`status_writer`).
 
-The children and pods are known from Kopf indexes (in-memory, fed by watches), so a steady-state
-reconcile reads nothing from the API server and writes nothing to it.
+The owners, children and pods are known from Kopf indexes (in-memory, fed by watches), so a
+reconcile reads nothing from the API server, and in steady state writes nothing to it either.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 from kubernetes.client import ApiClient
 
 from ember_operator import render, sizing
-from ember_operator.api import GROUP, PLURAL, VERSION
 from ember_operator.api.models import InferenceDeploymentSpec, ThermalPolicy, parse_spec
-from ember_operator.apply import Applier, get_object
+from ember_operator.apply import Applier, child_id
+from ember_operator.requeue import Requeue
 from ember_operator.settings import MANAGED_BY, OperatorSettings
 from ember_operator.status_writer import StatusWriter
 from ember_operator.thermal.nodes import HotNodes
@@ -53,6 +53,20 @@ class Context:
     renders: OrderedDict[tuple[str, int], Plan] = field(default_factory=OrderedDict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     identities: set[str] = field(default_factory=set)  # namespaces with the runtime's SA
+    requeue: Requeue = field(default_factory=Requeue)
+    indexes: Mapping[str, Any] = field(default_factory=dict)  # Kopf's, set by the first event
+    # Kopf serialises events per object, but an owner's own events and its children's events run
+    # in different threads: one lock per owner keeps their reconciles from interleaving.
+    owner_locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+
+    def owner_lock(self, key: tuple[str, str]) -> threading.Lock:
+        with self.lock:
+            return self.owner_locks.setdefault(key, threading.Lock())
+
+    def forget_owner(self, key: tuple[str, str]) -> None:
+        with self.lock:
+            self.owner_locks.pop(key, None)
+        self.requeue.clear(key)
 
 
 def key_of(namespace: str | None, labels: Mapping[str, str]) -> tuple[str, str] | None:
@@ -119,16 +133,30 @@ def pods_of(indexes: Mapping[str, Any], key: tuple[str, str]) -> list[Mapping[st
     return list(pod_index[key]) if pod_index is not None and key in pod_index else []
 
 
-def repair(ctx: Context, namespace: str, owner: str, kind: str, logger: Any) -> None:
-    """A child was deleted: re-apply it now instead of waiting for the next resync."""
-    path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{owner}"
-    body = get_object(ctx.api, path, ctx.settings.api_timeout_seconds)
-    if body is None or body["metadata"].get("deletionTimestamp"):
-        return  # the owner is going away; garbage collection is deleting its children
-    plan = planned(ctx, body)
+def correct_child(
+    ctx: Context,
+    key: tuple[str, str],
+    kind: str,
+    live: Mapping[str, Any] | None,
+    indexes: Mapping[str, Any],
+) -> str | None:
+    """A child's watch event (`live` None: it was deleted): put it back the way the owner's
+    current spec wants it. Returns what was done, if anything."""
+    owner = first(indexes.get("infd_index"), key)
+    if owner is None or owner["metadata"].get("deletionTimestamp"):
+        return None  # the owner is going away; garbage collection deletes its children
+    plan = planned(ctx, owner)
     if plan.problems:
-        return
-    for manifest in plan.manifests:
-        if manifest["kind"] == kind:
+        return None  # a running generation is left alone while the spec cannot be served
+    manifest = next((m for m in plan.manifests if m["kind"] == kind), None)
+    with ctx.owner_lock(key):
+        if manifest is None:
+            if live is None:
+                return None
+            ctx.applier.delete(kind, key[0], live["metadata"]["name"])  # e.g. a PDB at 1 replica
+            return "deleted"
+        if live is None:
+            ctx.applier.forget(child_id(manifest))
             ctx.applier.apply(manifest)
-            logger.info("re-created deleted %s %s/%s", kind, namespace, owner)
+            return "re-created"
+        return "corrected" if ctx.applier.correct(manifest, live) else None

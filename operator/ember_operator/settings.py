@@ -47,9 +47,6 @@ class OperatorSettings(BaseSettings):
         description="Local directories where the operator may find model files to read GGUF "
         "headers from (hostPath sources are also tried as-is).",
     )
-    resync_seconds: float = Field(
-        default=10.0, gt=0, description="Timer that re-reads observed state and repairs drift."
-    )
     api_timeout_seconds: float = Field(default=30.0, gt=0)
     model_mount: str = "/models"
     prewarm_mount: str = "/run/ember/prewarm"

@@ -12,10 +12,6 @@ from typing import Any
 
 import pytest
 
-# The handlers module reads its settings at import (Kopf needs the timer interval then): a fast
-# resync keeps the cluster tests short. Set before anything imports ember_operator.handlers.
-os.environ.setdefault("EMBER_OPERATOR_RESYNC_SECONDS", "1")
-
 CRDS = Path(__file__).resolve().parents[2] / "crds"
 
 

@@ -13,7 +13,17 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 from pydantic.alias_generators import to_camel
 
-__all__ = ["count_writes", "create", "delete", "get", "items", "merge_patch", "path", "request"]
+__all__ = [
+    "count_writes",
+    "create",
+    "delete",
+    "get",
+    "items",
+    "merge_patch",
+    "path",
+    "request",
+    "watch",
+]
 
 INFD = "/apis/ember.dev/v1alpha1/namespaces/{ns}/inferencedeployments"
 PATHS = {
@@ -81,6 +91,12 @@ def _lines(api: ApiClient, url_path: str, rv: str, seconds: int) -> Iterator[dic
                 yield json.loads(line)
 
 
+def watch(api: ApiClient, kind: str, ns: str, seconds: int) -> Iterator[dict[str, Any]]:
+    """Events of `kind` in `ns` from now on, for `seconds` (the server ends the watch)."""
+    rv = request(api, "GET", path(kind, ns))["metadata"]["resourceVersion"]
+    yield from _lines(api, path(kind, ns), rv, seconds)
+
+
 def count_writes(
     api: ApiClient, ns: str, kinds: list[str], seconds: int, sink: list[str] | None = None
 ) -> list[str]:
@@ -90,8 +106,7 @@ def count_writes(
     lock = threading.Lock()
 
     def follow(kind: str) -> None:
-        rv = request(api, "GET", path(kind, ns))["metadata"]["resourceVersion"]
-        for event in _lines(api, path(kind, ns), rv, seconds):
+        for event in watch(api, kind, ns, seconds):
             name = event["object"].get("metadata", {}).get("name")
             with lock:
                 seen.append(f"{event['type']} {kind}/{name}")

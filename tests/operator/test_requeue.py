@@ -1,0 +1,51 @@
+"""The retry table: backoff, one entry per object, cleared by a success."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ember_operator.requeue import MAX_BACKOFF_SECONDS, Requeue, backoff
+
+
+def test_backoff_doubles_and_is_capped() -> None:
+    assert [backoff(a) for a in range(4)] == [5.0, 10.0, 20.0, 40.0]
+    assert backoff(50) == MAX_BACKOFF_SECONDS
+
+
+def test_due_entries_come_out_once_with_their_attempt() -> None:
+    queue = Requeue()
+    delay = queue.later(("ns", "a"), attempt=2)
+    queue.later(("ns", "b"), attempt=0)
+    assert delay == 20.0
+    assert queue.take_due() == []  # nothing is due yet
+    later = time.monotonic() + 30
+    assert sorted(queue.take_due(now=later)) == [(("ns", "a"), 3), (("ns", "b"), 1)]
+    assert queue.take_due(now=later) == [] and queue.pending() == {}
+
+
+def test_a_newer_failure_replaces_the_entry_and_success_clears_it() -> None:
+    queue = Requeue()
+    queue.later(("ns", "a"), attempt=0)
+    queue.later(("ns", "a"), attempt=1)
+    assert queue.pending() == {("ns", "a"): 2}
+    queue.clear(("ns", "a"))
+    assert queue.pending() == {}
+
+
+def test_run_calls_the_work_for_due_entries() -> None:
+    queue = Requeue()
+    done: list[tuple[tuple[str, str], int]] = []
+
+    async def main() -> None:
+        queue.later(("ns", "a"), attempt=0)
+        queue._due[("ns", "a")] = (0.0, 1)  # due now, without waiting 5 s
+        task = asyncio.create_task(queue.run(lambda key, attempt: done.append((key, attempt))))
+        for _ in range(40):
+            if done:
+                break
+            await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(main())
+    assert done == [(("ns", "a"), 1)]
