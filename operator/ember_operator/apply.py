@@ -10,11 +10,14 @@ Zero writes in steady state: before applying, the desired manifest is compared a
 the live object (defaults added by the API server are ignored, quantities compared by value).
 Only when something we own differs — a deleted child, a hand edit, a new spec — do we PATCH.
 
-One apply per change, not one per event: the live objects come from watches, which lag our own
-writes, so `ensure` also remembers what it last applied to each child (a digest of the manifest
-and the generation the API server gave it). An owner event that sees a stale child does not
-re-apply what was just written; a change made by anyone else arrives as the child's own watch
-event, and `correct` compares that fresh body and re-applies if it drifted.
+One apply per change, not one per event, and little kept in memory: every child carries the
+digest of the manifest it was applied from (`ember.dev/spec-digest`), so an owner's reconcile
+compares digests — not whole bodies — and the operator's index of children keeps only their
+metadata and status. The applier also remembers what it last wrote or checked per child (digest,
+generation, resourceVersion): watches lag our own writes, and an owner event that sees a stale
+child must not re-apply what was just written. A change made by anyone else arrives as the
+child's own watch event with its full body, and `correct` compares that (as a subset, see
+above) and re-applies if it drifted.
 """
 
 from __future__ import annotations
@@ -77,10 +80,16 @@ def object_path(kind: str, namespace: str, name: str | None = None) -> str:
 ChildId = tuple[str, str, str]  # kind, namespace, name
 
 
+DIGEST_ANNOTATION = "ember.dev/spec-digest"
+
+
 @dataclass(frozen=True)
 class Applied:
+    """A child as we last wrote or verified it."""
+
     digest: str
-    generation: int  # metadata.generation the write produced (0 for kinds without one)
+    generation: int  # metadata.generation (0 for kinds without one)
+    resource_version: str
 
 
 def child_id(manifest: Mapping[str, Any]) -> ChildId:
@@ -88,8 +97,29 @@ def child_id(manifest: Mapping[str, Any]) -> ChildId:
     return manifest["kind"], meta["namespace"], meta["name"]
 
 
-def digest(manifest: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:32]
+def stamp(manifest: dict[str, Any]) -> str:
+    """Put the digest of `manifest` (as rendered, without the stamp) on it; return the digest."""
+    meta = manifest["metadata"]
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()}
+    annotations.pop(DIGEST_ANNOTATION, None)
+    unstamped = {**manifest, "metadata": {**meta, "annotations": annotations}}
+    if not annotations:
+        unstamped["metadata"].pop("annotations")
+    text = json.dumps(unstamped, sort_keys=True).encode()
+    value = hashlib.sha256(text).hexdigest()[:32]
+    meta["annotations"] = {**annotations, DIGEST_ANNOTATION: value}
+    return value
+
+
+def digest_of(obj: Mapping[str, Any] | None) -> str | None:
+    if obj is None:
+        return None
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(DIGEST_ANNOTATION)
+
+
+def _versions(obj: Mapping[str, Any]) -> tuple[int, str]:
+    meta = obj.get("metadata") or {}
+    return int(meta.get("generation") or 0), str(meta.get("resourceVersion") or "")
 
 
 def _owned(manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -139,10 +169,15 @@ class Applier:
         )
         metrics.API_WRITES.labels(kind=manifest["kind"], verb="apply").inc()
         log.info("applied %s %s/%s", manifest["kind"], meta["namespace"], meta["name"])
-        generation = int((result.get("metadata") or {}).get("generation") or 0)
-        with self._lock:
-            self._applied[child_id(manifest)] = Applied(digest(manifest), generation)
+        self._remember(manifest, result)
         return result
+
+    def _remember(self, manifest: Mapping[str, Any], live: Mapping[str, Any]) -> None:
+        generation, version = _versions(live)
+        with self._lock:
+            self._applied[child_id(manifest)] = Applied(
+                str(digest_of(manifest)), generation, version
+            )
 
     def forget(self, ident: ChildId) -> None:
         """The child is gone (deleted, or its owner is): the next ensure must apply it."""
@@ -158,32 +193,36 @@ class Applier:
             if exc.status != 404:
                 raise
 
-    def ensure(
-        self, desired: list[dict[str, Any]], live: Mapping[str, Mapping[str, Any] | None]
-    ) -> dict[str, dict[str, Any]]:
-        """Apply each manifest whose live counterpart (by kind, from a watch) differs, unless this
-        exact manifest is what we last wrote there; return what was written."""
-        written: dict[str, dict[str, Any]] = {}
-        for manifest in desired:
-            current = live.get(manifest["kind"])
-            if current is not None and matches(_owned(manifest), current):
-                continue
-            with self._lock:
-                last = self._applied.get(child_id(manifest))
-            if last is not None and last.digest == digest(manifest):
-                continue  # our write is on its way through the watch
-            written[manifest["kind"]] = self.apply(manifest)
-        return written
+    def in_sync(self, ident: ChildId, digest: str, live: Mapping[str, Any] | None) -> bool:
+        """An owner's view: the child (from the index) carries this digest, or we just wrote
+        it and the watch has not caught up. Hand edits that keep the digest are the child
+        event's business (`correct`)."""
+        if digest_of(live) == digest:
+            return True
+        with self._lock:
+            last = self._applied.get(ident)
+        return last is not None and last.digest == digest
+
+    def verified(self, ident: ChildId, digest: str, live: Mapping[str, Any]) -> bool:
+        """A child event that cannot be drift: the same object version we wrote or checked, or
+        (kinds with a generation) only its status moved since."""
+        with self._lock:
+            last = self._applied.get(ident)
+        if last is None or last.digest != digest or digest_of(live) != digest:
+            return False
+        generation, version = _versions(live)
+        return version == last.resource_version or 0 < generation == last.generation
 
     def correct(self, manifest: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
         """A child's own watch event: re-apply if its fresh body drifted from `manifest`. Events
         older than our last write (a lower generation) are skipped: the write supersedes them."""
         if matches(_owned(manifest), live):
+            self._remember(manifest, live)
             return False
         with self._lock:
             last = self._applied.get(child_id(manifest))
-        generation = int((live.get("metadata") or {}).get("generation") or 0)
-        if last is not None and last.digest == digest(manifest) and generation < last.generation:
+        generation, _ = _versions(live)
+        if last is not None and last.digest == digest_of(manifest) and generation < last.generation:
             return False
         self.apply(manifest)
         return True

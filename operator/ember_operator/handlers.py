@@ -33,11 +33,12 @@ from pydantic import ValidationError
 
 from ember_operator import metrics, render, status
 from ember_operator.api import GROUP, PLURAL, VERSION
-from ember_operator.apply import Applier, api_client, child_id
+from ember_operator.apply import DIGEST_ANNOTATION, Applier, api_client
 from ember_operator.reconcile import (
     CHILD_LABELS,
     Context,
     apply_children,
+    child_ids,
     correct_child,
     first,
     key_of,
@@ -134,11 +135,14 @@ async def start_retries(memo: kopf.Memo, **_: Any) -> None:
     memo.retry_task = asyncio.create_task(
         ctx.requeue.run(lambda key, attempt: _retry(ctx, key, attempt)), name="ember-retries"
     )
+    memo.refresh_task = asyncio.create_task(
+        ctx.refreshes.run(lambda keys: _refresh_due(ctx, keys)), name="ember-status-refresh"
+    )
 
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
-    for name in ("hot_task", "retry_task"):
+    for name in ("hot_task", "retry_task", "refresh_task"):
         task = memo.get(name)
         if task is not None:
             task.cancel()
@@ -162,15 +166,20 @@ def probe_reconciles(**_: Any) -> float:
 # ----------------------------------------------------------------------------- indexes
 
 
-def _strip(body: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop managedFields: a third of a child's size, never compared."""
-    meta = {k: v for k, v in body["metadata"].items() if k != "managedFields"}
-    return {**{k: v for k, v in body.items() if k != "metadata"}, "metadata": meta}
+def _small(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the owner's reconcile and status need of a child: its identity, versions, spec
+    digest and status. Not its spec (a Deployment's pod template is most of its size): drift
+    is judged on the child's own events, which carry the whole body."""
+    meta = body["metadata"]
+    kept = {k: meta.get(k) for k in ("name", "namespace", "uid", "generation", "resourceVersion")}
+    digest = (meta.get("annotations") or {}).get(DIGEST_ANNOTATION)
+    kept["annotations"] = {DIGEST_ANNOTATION: digest} if digest else {}
+    return {"metadata": kept, "status": body.get("status") or {}}
 
 
 def _index_child(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> Any:
     key = key_of(namespace, labels)
-    return {key: _strip(body)} if key else {}
+    return {key: _small(body)} if key else {}
 
 
 @kopf.index(*RESOURCE)
@@ -246,6 +255,16 @@ def refresh(ctx: Context, key: tuple[str, str], indexes: Mapping[str, Any], logg
         logger.warning("status of %s/%s not written: %s", key[0], key[1], exc.reason)
 
 
+def _remember_indexes(ctx: Context, kwargs: Mapping[str, Any]) -> None:
+    if not ctx.indexes:  # Kopf's indexes are live views: delayed work reads them later
+        ctx.indexes = {name: kwargs[name] for name in INDEXES}
+
+
+def _refresh_due(ctx: Context, keys: list[tuple[str, str]]) -> None:
+    for key in keys:
+        refresh(ctx, key, ctx.indexes, log)
+
+
 # ----------------------------------------------------------------------------- reconcile
 
 
@@ -260,7 +279,7 @@ def _sync(ctx: Context, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> 
     deployment = None
     if not plan.problems:  # else leave any running generation alone; status says why
         with ctx.owner_lock(key):
-            deployment = apply_children(ctx, key, plan.manifests, indexes)
+            deployment = apply_children(ctx, key, body, plan, indexes)
     ctx.writer.write(body, _observe(ctx, body, indexes, deployment))
     return "problem" if plan.problems else "ok"
 
@@ -305,8 +324,7 @@ def infd_event(**kwargs: Any) -> None:
     spec, progress annotations — two to four writes per object and a finalizer that outlives
     an uninstalled operator; events cost no writes at all."""
     ctx: Context = kwargs["memo"].ctx
-    if not ctx.indexes:  # Kopf's indexes are live views: the retries read them later
-        ctx.indexes = {name: kwargs[name] for name in INDEXES}
+    _remember_indexes(ctx, kwargs)
     body = kwargs["body"]
     key = (str(kwargs["namespace"]), str(kwargs["name"]))
     if kwargs["event"].get("type") == "DELETED":
@@ -319,8 +337,8 @@ def _forget(ctx: Context, body: Mapping[str, Any], key: tuple[str, str]) -> None
     ctx.writer.forget(key)
     ctx.forget_owner(key)
     with contextlib.suppress(ValidationError):
-        for manifest in planned(ctx, body).manifests:
-            ctx.applier.forget(child_id(manifest))
+        for ident in child_ids(key, planned(ctx, body)):
+            ctx.applier.forget(ident)
 
 
 # ----------------------------------------------------------------------------- pods and nodes
@@ -355,7 +373,8 @@ def pod_event(**kwargs: Any) -> None:
             reading = parse_thermal_condition((body.get("status") or {}).get("conditions"))
             critical = reading is not None and reading.reason == REASON_CRITICAL
             ctx.hot.observe_pod(replica, critical, _window(ctx, kwargs, key))
-    refresh(ctx, key, kwargs, kwargs["logger"])
+    _remember_indexes(ctx, kwargs)
+    ctx.refreshes.mark(key)
 
 
 # ----------------------------------------------------------------------------- children
@@ -381,7 +400,8 @@ def _on_child_event(kind: str, kwargs: Mapping[str, Any]) -> None:
     if done:
         kwargs["logger"].info("%s %s of %s/%s", done, kind, *key)
     if kind == "Deployment" and not gone:
-        refresh(ctx, key, kwargs, kwargs["logger"])
+        _remember_indexes(ctx, kwargs)
+        ctx.refreshes.mark(key)
 
 
 @kopf.on.event("v1", "configmaps", labels=CHILD_LABELS)

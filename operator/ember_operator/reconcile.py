@@ -16,14 +16,18 @@ from kubernetes.client import ApiClient
 
 from ember_operator import render, sizing
 from ember_operator.api.models import InferenceDeploymentSpec, ThermalPolicy, parse_spec
-from ember_operator.apply import Applier, child_id
-from ember_operator.requeue import Requeue
+from ember_operator.apply import Applier, ChildId, digest_of, stamp
+from ember_operator.requeue import Coalescer, Requeue
 from ember_operator.settings import MANAGED_BY, OperatorSettings
 from ember_operator.status_writer import StatusWriter
 from ember_operator.thermal.nodes import HotNodes
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 RENDER_CACHE_SIZE = 4096
+# How long pod and Deployment events for one object are gathered into one status write: well
+# inside the 2 s a thermal change may take to reach status, and a replica's start-up events
+# (scheduled, running, ready) mostly fall into one window.
+STATUS_WINDOW_SECONDS = 0.5
 INDEX_BY_KIND = {
     "ConfigMap": "configmap_index",
     "Service": "service_index",
@@ -32,10 +36,19 @@ INDEX_BY_KIND = {
 }
 
 
+class Child(NamedTuple):
+    name: str
+    digest: str  # of the rendered manifest (`apply.stamp`)
+
+
 class Plan(NamedTuple):
+    """What a generation's spec means, kept per (uid, generation). Not the manifests themselves
+    (tens of KiB per object): their digests, and `manifests_of` renders them when one must be
+    compared or written."""
+
     spec: InferenceDeploymentSpec
     sized: sizing.Sizing
-    manifests: list[dict[str, Any]]
+    children: dict[str, Child]  # kind -> child
     problems: list[render.Problem]
 
     @property
@@ -54,6 +67,7 @@ class Context:
     lock: threading.Lock = field(default_factory=threading.Lock)
     identities: set[str] = field(default_factory=set)  # namespaces with the runtime's SA
     requeue: Requeue = field(default_factory=Requeue)
+    refreshes: Coalescer = field(default_factory=lambda: Coalescer(STATUS_WINDOW_SECONDS))
     indexes: Mapping[str, Any] = field(default_factory=dict)  # Kopf's, set by the first event
     # Kopf serialises events per object, but an owner's own events and its children's events run
     # in different threads: one lock per owner keeps their reconciles from interleaving.
@@ -80,6 +94,17 @@ def first(index: Any, key: tuple[str, str]) -> Mapping[str, Any] | None:
     return next(iter(index[key]), None)
 
 
+def _render(
+    ctx: Context, body: Mapping[str, Any], spec: InferenceDeploymentSpec, sized: sizing.Sizing
+) -> list[dict[str, Any]]:
+    meta = body["metadata"]
+    owner = render.Owner(meta["name"], meta["namespace"], meta["uid"])
+    manifests = render.render(owner, spec, ctx.settings, sized)
+    for manifest in manifests:
+        stamp(manifest)
+    return manifests
+
+
 def planned(ctx: Context, body: Mapping[str, Any]) -> Plan:
     """Everything derived from the spec, cached per (uid, generation): a generation's spec never
     changes, and status refreshes (every pod event) need the plan too."""
@@ -91,15 +116,25 @@ def planned(ctx: Context, body: Mapping[str, Any]) -> Plan:
             return ctx.renders[key]
     spec = parse_spec(body["spec"])
     sized = sizing.compute(spec, ctx.settings, sizing.find_gguf_shape(spec, ctx.settings))
-    owner = render.Owner(meta["name"], meta["namespace"], meta["uid"])
-    plan = Plan(
-        spec, sized, render.render(owner, spec, ctx.settings, sized), render.problems(spec, sized)
-    )
+    children = {
+        m["kind"]: Child(m["metadata"]["name"], str(digest_of(m)))
+        for m in _render(ctx, body, spec, sized)
+    }
+    plan = Plan(spec, sized, children, render.problems(spec, sized))
     with ctx.lock:
         ctx.renders[key] = plan
         while len(ctx.renders) > RENDER_CACHE_SIZE:
             ctx.renders.popitem(last=False)
     return plan
+
+
+def manifests_of(ctx: Context, body: Mapping[str, Any], plan: Plan) -> list[dict[str, Any]]:
+    """The plan's manifests, rendered again (deterministic: the same digests)."""
+    return _render(ctx, body, plan.spec, plan.sized)
+
+
+def child_ids(key: tuple[str, str], plan: Plan) -> list[ChildId]:
+    return [(kind, key[0], child.name) for kind, child in plan.children.items()]
 
 
 def ensure_identity(ctx: Context, namespace: str) -> None:
@@ -108,22 +143,38 @@ def ensure_identity(ctx: Context, namespace: str) -> None:
     InferenceDeployment: they serve all of a namespace's replicas and go with the namespace."""
     if namespace in ctx.identities:
         return
-    for manifest in render.runtime_identity(namespace, ctx.settings):
-        ctx.applier.apply(manifest)
-    with ctx.lock:
-        ctx.identities.add(namespace)
+    with ctx.owner_lock(("", namespace)):  # one apply per namespace, not one per racing thread
+        if namespace in ctx.identities:
+            return
+        for manifest in render.runtime_identity(namespace, ctx.settings):
+            ctx.applier.apply(manifest)
+        with ctx.lock:
+            ctx.identities.add(namespace)
 
 
 def apply_children(
-    ctx: Context, key: tuple[str, str], manifests: list[dict[str, Any]], indexes: Mapping[str, Any]
+    ctx: Context,
+    key: tuple[str, str],
+    body: Mapping[str, Any],
+    plan: Plan,
+    indexes: Mapping[str, Any],
 ) -> Mapping[str, Any] | None:
-    """Write what differs from the indexed live children; return the Deployment as it is now."""
+    """Write the children whose digest differs from the plan's; delete unwanted ones (the PDB
+    after scaling to one). Returns the Deployment as it is now (for status)."""
     ensure_identity(ctx, key[0])
     live = {kind: first(indexes.get(idx), key) for kind, idx in INDEX_BY_KIND.items()}
-    written = ctx.applier.ensure(manifests, live)
-    wanted = {m["kind"] for m in manifests}
+    stale = {
+        kind
+        for kind, child in plan.children.items()
+        if not ctx.applier.in_sync((kind, key[0], child.name), child.digest, live.get(kind))
+    }
+    written: dict[str, dict[str, Any]] = {}
+    if stale:
+        for manifest in manifests_of(ctx, body, plan):
+            if manifest["kind"] in stale:
+                written[manifest["kind"]] = ctx.applier.apply(manifest)
     for kind, obj in live.items():
-        if obj is not None and kind not in wanted:  # e.g. the PDB after scaling to one
+        if obj is not None and kind not in plan.children:
             ctx.applier.delete(kind, key[0], obj["metadata"]["name"])
     return written.get("Deployment") or live.get("Deployment")
 
@@ -148,15 +199,29 @@ def correct_child(
     plan = planned(ctx, owner)
     if plan.problems:
         return None  # a running generation is left alone while the spec cannot be served
-    manifest = next((m for m in plan.manifests if m["kind"] == kind), None)
+    child = plan.children.get(kind)
     with ctx.owner_lock(key):
-        if manifest is None:
+        if child is None:
             if live is None:
                 return None
             ctx.applier.delete(kind, key[0], live["metadata"]["name"])  # e.g. a PDB at 1 replica
             return "deleted"
-        if live is None:
-            ctx.applier.forget(child_id(manifest))
-            ctx.applier.apply(manifest)
-            return "re-created"
-        return "corrected" if ctx.applier.correct(manifest, live) else None
+        return _correct(ctx, (kind, key[0], child.name), live, owner, plan)
+
+
+def _correct(
+    ctx: Context,
+    ident: ChildId,
+    live: Mapping[str, Any] | None,
+    owner: Mapping[str, Any],
+    plan: Plan,
+) -> str | None:
+    digest = plan.children[ident[0]].digest
+    if live is not None and ctx.applier.verified(ident, digest, live):
+        return None  # the version we wrote or checked, or only its status moved
+    (manifest,) = [m for m in manifests_of(ctx, owner, plan) if m["kind"] == ident[0]]
+    if live is None:
+        ctx.applier.forget(ident)
+        ctx.applier.apply(manifest)
+        return "re-created"
+    return "corrected" if ctx.applier.correct(manifest, live) else None

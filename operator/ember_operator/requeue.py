@@ -1,4 +1,5 @@
-"""Retries of failed reconciles, with backoff: one small table and one task for all objects.
+"""Delayed work by object key, one small table and one task each for all objects: retries of
+failed reconciles (`Requeue`) and coalesced status refreshes (`Coalescer`).
 
 Kopf retries only its state-keeping handlers (create/update/resume), and those cost a finalizer
 and annotation writes on every object (see `handlers`). Ember reconciles from watch events, which
@@ -64,3 +65,38 @@ class Requeue:
                 except Exception:  # work reschedules its own failures; this is a bug guard
                     log.exception("retry of %s/%s failed", *key)
             await asyncio.sleep(TICK_SECONDS)
+
+
+class Coalescer:
+    """Status refreshes, coalesced: the first mark of an object opens a short window, marks within
+    it join it, and one refresh at its end writes what all of them changed. A replica coming up
+    is four or five pod and Deployment events within a second or two (created, scheduled,
+    running, ready); without this each could be its own status write."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self._due: dict[Key, float] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, key: Key) -> None:
+        with self._lock:
+            self._due.setdefault(key, time.monotonic() + self.window)
+
+    def take_due(self, now: float | None = None) -> list[Key]:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            due = [k for k, at in self._due.items() if at <= now]
+            for k in due:
+                del self._due[k]
+        return due
+
+    async def run(self, work: Callable[[list[Key]], None], tick: float = 0.1) -> None:
+        """Call `work(keys)` in a thread with the keys whose window has closed."""
+        while True:
+            due = self.take_due()
+            if due:
+                try:
+                    await asyncio.to_thread(work, due)
+                except Exception:
+                    log.exception("status refresh of %d objects failed", len(due))
+            await asyncio.sleep(tick)
