@@ -191,6 +191,12 @@ def test_device_plugin_daemonset_is_node_critical_and_scoped(helm: str) -> None:
     (container,) = pod["containers"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["dev"]["mountPath"] == "/host/dev" and mounts["dev"]["readOnly"] is True
+    # Only the kubelet's socket dir (its socket) and the checkpoint's dir are written.
+    writable = {m["name"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    assert writable == {"device-plugins", "state"}
+    # uid 0 for the kubelet's root-owned sockets (docs/privileges.md), but no API token at all.
+    assert pod["securityContext"]["runAsUser"] == 0
+    assert pod["automountServiceAccountToken"] is False
     env = {e["name"]: e["value"] for e in container["env"]}
     assert (env["EMBER_DP_DEV_ROOT"], env["EMBER_DP_HOST_DEV_ROOT"]) == ("/host/dev", "/dev")
 
