@@ -21,6 +21,8 @@ RUN --mount=type=secret,id=pip-ca \
 FROM ${BASE_IMAGE}
 COPY --from=build /opt/ember /opt/ember
 ENV PATH=/opt/ember/bin:/usr/local/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-# The kubelet's device-plugins dir is root-owned: the DaemonSet runs this as root with every
-# capability dropped, no privilege escalation and a read-only root filesystem.
+# uid 0 with every capability dropped, no privilege escalation and a read-only root filesystem
+# (the DaemonSet sets them): the kubelet's device-plugins dir is root:root 0750 and its sockets
+# 0755, so only their owner may create the plugin's socket and dial the kubelet's. The chart's
+# deviceplugin-daemonset.yaml and docs/privileges.md say why in full.
 ENTRYPOINT ["python3", "-m", "ember_runtime.deviceplugin"]

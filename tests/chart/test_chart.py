@@ -96,6 +96,57 @@ def test_rbac_has_no_wildcards_and_no_secrets(helm: str) -> None:
     assert not by_kind(docs, "Role")
 
 
+def _rule(group: str, resources: list[str], verbs: list[str]) -> dict[str, Any]:
+    return {"apiGroups": [group], "resources": resources, "verbs": verbs}
+
+
+# The operator's calls, one rule each (charts/ember/templates/rbac.yaml says which code makes
+# them); tests/operator/test_rbac_cluster.py proves on the real API server that they suffice.
+OPERATOR_RULES = [
+    _rule("ember.dev", ["inferencedeployments"], ["get", "list", "watch", "patch"]),
+    _rule("ember.dev", ["inferencedeployments/status"], ["patch"]),
+    _rule("apps", ["deployments"], ["list", "watch", "create", "patch"]),
+    _rule("", ["services", "configmaps"], ["list", "watch", "create", "patch"]),
+    _rule("policy", ["poddisruptionbudgets"], ["list", "watch", "create", "patch", "delete"]),
+    _rule("", ["pods"], ["list", "watch"]),
+    _rule("", ["serviceaccounts"], ["create", "patch"]),
+    _rule("rbac.authorization.k8s.io", ["rolebindings"], ["create", "patch"]),
+    {
+        **_rule("rbac.authorization.k8s.io", ["clusterroles"], ["bind"]),
+        "resourceNames": ["ember-runtime"],
+    },
+    _rule("", ["pods/eviction"], ["create"]),
+    _rule("", ["nodes"], ["get", "list", "patch"]),
+    _rule("", ["events"], ["create"]),
+    _rule("apiextensions.k8s.io", ["customresourcedefinitions"], ["list", "watch"]),
+]
+NAMESPACES_RULE = _rule("", ["namespaces"], ["list", "watch"])
+
+
+def _peering(plural: str) -> dict[str, Any]:
+    return _rule("kopf.dev", [plural], ["list", "watch", "create", "patch"])
+
+
+@pytest.mark.parametrize(
+    ("values", "extra"),
+    [
+        # One replica, cluster-wide: --standalone (no peering), no namespace matching.
+        ((), []),
+        (("--set", "operator.replicas=2"), [_peering("clusterkopfpeerings")]),
+        (("--set", "operator.watchNamespaces={a}"), [NAMESPACES_RULE]),
+        (("-f", str(CHART / "ci" / "ha-values.yaml")), [NAMESPACES_RULE, _peering("kopfpeerings")]),
+    ],
+)
+def test_operator_role_grants_exactly_what_the_code_calls(
+    helm: str, values: tuple[str, ...], extra: list[dict[str, Any]]
+) -> None:
+    roles = _roles(render(helm, *values))
+    assert roles["operator"]["rules"] == OPERATOR_RULES + extra
+    verbs = {v for rule in roles["operator"]["rules"] for v in rule["verbs"]}
+    assert "update" not in verbs  # every write is a PATCH (apply or merge patch) or a POST
+    assert "deletecollection" not in verbs
+
+
 def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
     docs = render(helm)
     roles = _roles(docs)
@@ -140,6 +191,12 @@ def test_device_plugin_daemonset_is_node_critical_and_scoped(helm: str) -> None:
     (container,) = pod["containers"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["dev"]["mountPath"] == "/host/dev" and mounts["dev"]["readOnly"] is True
+    # Only the kubelet's socket dir (its socket) and the checkpoint's dir are written.
+    writable = {m["name"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    assert writable == {"device-plugins", "state"}
+    # uid 0 for the kubelet's root-owned sockets (docs/privileges.md), but no API token at all.
+    assert pod["securityContext"]["runAsUser"] == 0
+    assert pod["automountServiceAccountToken"] is False
     env = {e["name"]: e["value"] for e in container["env"]}
     assert (env["EMBER_DP_DEV_ROOT"], env["EMBER_DP_HOST_DEV_ROOT"]) == ("/host/dev", "/dev")
 

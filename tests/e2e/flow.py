@@ -57,6 +57,10 @@ HOT_CELSIUS, COOL_CELSIUS = 87.0, 40.0
 # for a replace-rollout on a full node (old pod's drain, new pod's start), short against the
 # 600 s a wait would otherwise burn.
 DEGRADED_GRACE_SECONDS = 90.0
+# What a call the chart's RBAC refused leaves in the operator's log: the client's "(403)" and
+# "Forbidden", Kopf's APIForbiddenError, and Kopf's warnings when it falls back for want of a
+# list/watch permission ("Not enough permissions to ...").
+REFUSED = re.compile(r"forbidden|\b403\b|not enough permissions", re.IGNORECASE)
 
 
 def step(msg: str) -> None:
@@ -153,6 +157,14 @@ class Flow:
     def uninstall(self) -> None:
         with timed(f"helm uninstall {RELEASE}"):
             self.run_helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait")
+
+    def refused_calls(self) -> list[str]:
+        """Lines of the operator's whole log (it runs on the chart's ServiceAccount) that say the
+        API server refused a call."""
+        log = self.run_kubectl(
+            "logs", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=operator", "--tail=-1"
+        )
+        return [line for line in log.splitlines() if REFUSED.search(line)]
 
     # -- the node: a site with (fake) NPUs and a (fake) thermal sensor ------------------------
     def prepare_node(self) -> None:

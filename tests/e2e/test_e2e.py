@@ -134,6 +134,11 @@ def test_edit_replaces_the_replica_on_a_full_node(flow: Flow, served: str) -> No
     assert new != old
 
 
+def test_operator_was_never_refused_by_its_rbac(flow: Flow, served: str) -> None:
+    """Everything above ran through the in-cluster operator on the chart's ServiceAccount."""
+    assert flow.refused_calls() == []
+
+
 def test_helm_uninstall_leaves_nothing_behind(flow: Flow) -> None:
     flow.uninstall()
 

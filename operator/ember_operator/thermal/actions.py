@@ -8,7 +8,8 @@ Why a taint (`ember.dev/hot=true:NoSchedule`) and not node affinity on the pod t
 - It is visible where operators look: `kubectl describe node` shows the taint and the Events.
 - NoSchedule (not NoExecute) so the kubelet does not kill other pods on that node; we choose
   which pod moves and go through the Eviction API, so the PodDisruptionBudget is respected.
-- Cost: RBAC `nodes: get, patch` (cluster-scoped), plus `pods/eviction: create`, `events: create`.
+- Cost: RBAC `nodes: get, list, patch` (cluster-scoped), `pods/eviction: create`,
+  `events: create`.
 
 All calls are synchronous (the `kubernetes` client); call them from a thread
 (`asyncio.to_thread`) inside Kopf handlers.
@@ -103,9 +104,10 @@ def tainted_hot_nodes(core: client.CoreV1Api) -> list[str]:
 
 def node_thermal_reason(core: client.CoreV1Api, name: str) -> str | None:
     """The reason of the node agent's ember.dev/Thermal condition on `name` (None: no report,
-    or the node is gone)."""
+    or the node is gone). A plain GET of the Node, which carries its status: GET nodes/status
+    is a separate RBAC resource the operator would need a rule for."""
     try:
-        node: Any = core.read_node_status(name)
+        node: Any = core.read_node(name)
     except ApiException as exc:
         if exc.status == 404:
             return None
