@@ -11,9 +11,26 @@ APT_PKGS := containerd runc containernetworking-plugins debootstrap etcd-server 
             iptables util-linux gcc g++ libc6-dev cmake buildah
 # llama.cpp is compiled by pip (≈6 min once; pip caches the wheel).
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+# `make images` / `make push`: names are $(REGISTRY)/ember-<name>:$(TAG), what the chart renders
+# from image.registry / image.tag (TAG defaults to the chart's appVersion, the chart's default).
+REGISTRY   ?=
+TAG        ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$$/\1/p' charts/ember/Chart.yaml)
+PLATFORM   ?=
+BASE_IMAGE ?=
+# The build needs only the standard library (and buildah); BASE_IMAGE=local (the local cluster's
+# Debian base, no registry needed) needs the venv.
+IMAGE_PY    = $(if $(wildcard $(PY)),$(PY),$(PY_SYS))
+IMAGE_ARGS  = --registry '$(or $(REGISTRY),ember.local)' --tag '$(TAG)' $(if $(DRY_RUN),--dry-run) \
+              $(if $(PLATFORM),--platform '$(PLATFORM)') $(if $(BASE_IMAGE),--base-image '$(BASE_IMAGE)') \
+              $(if $(ONLY),--only $(ONLY))
+ifneq ($(filter push,$(MAKECMDGOALS)),)
+ifeq ($(REGISTRY),)
+$(error make push needs REGISTRY=host[:port]/path, e.g. REGISTRY=registry.example:5000/ember)
+endif
+endif
 
 .PHONY: help install apt protos test test-unit lint crds crds-check cluster-build cluster-up \
-        cluster-down cluster-status demo bench e2e e2e-kind clean llama-server
+        cluster-down cluster-status demo bench e2e e2e-kind clean llama-server images push
 
 help: ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
@@ -50,6 +67,12 @@ crds-check: install ## fail when the committed CRDs (or the chart's copy) differ
 	$(PY) -m ember_operator.api.crdgen --check
 	$(PY) -m ember_operator.api.docgen --check
 	diff -ru crds charts/ember/crds
+
+images: ## build every image in images/ with buildah: REGISTRY=… TAG=… PLATFORM=linux/arm64 BASE_IMAGE=local
+	$(IMAGE_PY) -m tests.cluster.ember_images build $(IMAGE_ARGS)
+
+push: images ## buildah push each image to $(REGISTRY)/ember-<name>:$(TAG) (after `buildah login`)
+	$(IMAGE_PY) -m tests.cluster.ember_images push $(IMAGE_ARGS)
 
 cluster-build: install ## build/cache Kubernetes, kwok, helm and the local images
 	$(PY) -m tests.cluster build

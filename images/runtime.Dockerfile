@@ -1,5 +1,8 @@
 # Ember runtime image: the prewarm init container and the token-serving sidecar.
-#   docker build -f images/runtime.Dockerfile -t ember/runtime .
+#   make images   (or: buildah bud -f images/runtime.Dockerfile -t ember-runtime .)
+# One image for CPU, NVIDIA GPU and Ascend NPU nodes: the `runtime` extra carries nvidia-ml-py
+# for the NVML temperature sensor (the driver's libnvidia-ml.so.1 comes from the node, mounted
+# by the NVIDIA container toolkit); npu-smi comes from the node's Ascend driver mount.
 # llama.cpp is compiled for the target architecture without -march=native, so the image runs on
 # every CPU of that architecture. LLAMA_CMAKE_ARGS picks the instruction set baseline:
 #   x86-64 (default): AVX2/FMA/F16C, what every x86 edge server of the last decade has.

@@ -14,6 +14,7 @@ from typing import Any
 
 from ember_runtime.config import (
     REASON_POLICY_OFF,
+    REASON_SENSOR_UNAVAILABLE,
     ThermalReading,
     parse_thermal_condition,
 )
@@ -104,6 +105,8 @@ def _reading_fields(reading: ThermalReading) -> dict[str, Any]:
         out["temperatureCelsius"] = reading.temperature_celsius
     if reading.max_batch_size is not None:
         out["maxBatchSize"] = reading.max_batch_size
+    if reading.detail:
+        out["sensorProblem"] = reading.detail  # the Throttled condition's message shows it
     return out
 
 
@@ -137,11 +140,14 @@ def _throttled(pods: list[Mapping[str, Any]], adaptive: bool, max_batch: int) ->
         }
     reduced = [p for p in pods if p["thermal"].get("maxBatchSize", max_batch) < max_batch]
     if not reduced:
+        blind = any(p["thermal"]["reason"] == REASON_SENSOR_UNAVAILABLE for p in pods)
+        message = f"all replicas run at max batch {max_batch}{_sensor_problems(pods)}"
         return {
             "type": THROTTLED,
             "status": "False",
-            "reason": "FullBatch",
-            "message": f"all replicas run at max batch {max_batch}",
+            # Not throttled, but only because nothing is measured: `kubectl describe` says why.
+            "reason": REASON_SENSOR_UNAVAILABLE if blind else "FullBatch",
+            "message": message[:MAX_MESSAGE],
         }
     parts = [
         f"{p['pod']} at {p['thermal'].get('temperatureCelsius', '?')} °C: batch "
@@ -152,8 +158,19 @@ def _throttled(pods: list[Mapping[str, Any]], adaptive: bool, max_batch: int) ->
         "type": THROTTLED,
         "status": "True",
         "reason": "ThermalThrottling",
-        "message": "; ".join(parts)[:MAX_MESSAGE],
+        "message": ("; ".join(parts) + _sensor_problems(pods))[:MAX_MESSAGE],
     }
+
+
+def _sensor_problems(pods: list[Mapping[str, Any]]) -> str:
+    """The message's tail for replicas whose sensor is broken ("; sensor problems: p-0: nvml:
+    NVML cannot start ..."), so `kubectl describe infd` says why a replica has no temperature."""
+    parts = [
+        f"{p['pod']}: {p['thermal']['sensorProblem']}"
+        for p in sorted(pods, key=lambda p: str(p["pod"]))
+        if p["thermal"].get("sensorProblem")
+    ]
+    return f"; sensor problems: {'; '.join(parts)}" if parts else ""
 
 
 @dataclass(frozen=True)

@@ -243,10 +243,20 @@ REASON_NORMAL = "Normal"
 REASON_THROTTLED = "Throttled"
 REASON_CRITICAL = "Critical"
 REASON_NO_READING = "NoReading"
+# No reading because a configured sensor cannot work here (no NVML driver, no npu-smi, no
+# sysfs): the message says which and why, so `kubectl describe` answers "why no temperature?".
+REASON_SENSOR_UNAVAILABLE = "SensorUnavailable"
 REASON_POLICY_OFF = "PolicyOff"
 LIMITED_REASONS = frozenset({REASON_THROTTLED, REASON_CRITICAL})
-# "84 °C, batch 13/16" (a pod) or "84 °C" (a node); "no reading, batch 16/16" without a sensor.
-_MESSAGE = re.compile(r"^(?:(?P<temp>-?\d+) °C|no reading)(?:, batch (?P<batch>\d+)/(?P<max>\d+))?")
+# "84 °C, batch 13/16" (a pod) or "84 °C" (a node); "no reading, batch 16/16" without a sensor;
+# a sensor problem follows after "; " ("no reading, batch 16/16; nvml: NVML cannot start ...").
+_MESSAGE = re.compile(
+    r"^(?:(?P<temp>-?\d+) °C|no reading)(?:, batch (?P<batch>\d+)/(?P<max>\d+))?"
+    r"(?:; (?P<detail>.+))?",
+    re.DOTALL,
+)
+# Condition messages are read by people (`kubectl describe`); a library's error can be long.
+MAX_DETAIL = 300
 
 
 @dataclass(frozen=True)
@@ -257,6 +267,7 @@ class ThermalReading:
     temperature_celsius: int | None
     max_batch_size: int | None = None  # the limit in force (None on a node's condition)
     capacity: int | None = None
+    detail: str | None = None  # why a configured sensor gives no reading, if one does not
 
     @property
     def limited(self) -> bool:
@@ -266,9 +277,11 @@ class ThermalReading:
         head = (
             "no reading" if self.temperature_celsius is None else f"{self.temperature_celsius} °C"
         )
-        if self.max_batch_size is None:
-            return head
-        return f"{head}, batch {self.max_batch_size}/{self.capacity}"
+        if self.max_batch_size is not None:
+            head = f"{head}, batch {self.max_batch_size}/{self.capacity}"
+        if self.detail:
+            head = f"{head}; {self.detail[:MAX_DETAIL]}"
+        return head
 
 
 def thermal_condition(reading: ThermalReading, now: str) -> dict[str, Any]:
@@ -297,6 +310,7 @@ def parse_thermal_condition(conditions: list[dict[str, Any]] | None) -> ThermalR
         temperature_celsius=None if temp is None else int(temp),
         max_batch_size=None if batch is None else int(batch),
         capacity=None if cap is None else int(cap),
+        detail=match["detail"],
     )
 
 

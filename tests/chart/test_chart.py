@@ -231,3 +231,56 @@ def test_schema_rejects_bad_values(helm: str, flag: str, message: str) -> None:
     )
     assert proc.returncode != 0
     assert message in proc.stderr.lower(), proc.stderr
+
+
+def _images(pod: dict[str, Any]) -> set[str]:
+    containers = [*pod.get("initContainers", []), *pod["containers"]]
+    return {c["image"] for c in containers}
+
+
+def _pushed_refs(registry: str) -> set[str]:
+    """What `make push REGISTRY=<registry>` pushes (its commands, printed, not run)."""
+    out = subprocess.run(
+        ["make", "-s", "push", f"REGISTRY={registry}", "DRY_RUN=1"],
+        cwd=CHART.parents[1],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return {word.removeprefix("docker://") for word in out.split() if word.startswith("docker://")}
+
+
+def test_every_image_comes_from_the_registry_make_push_fills(helm: str) -> None:
+    """The quick start on your own cluster: `make push REGISTRY=R` then `helm install --set
+    image.registry=R`. Every image a pod pulls — the operator, the device plugin, the node
+    agent, and the runtime + prewarm images the operator renders into InferenceDeployment pods
+    — must be one that push put there (else ImagePullBackOff)."""
+    from ember_operator import render as operator_render
+    from ember_operator import sizing
+    from ember_operator.api.models import parse_spec
+    from ember_operator.settings import OperatorSettings
+
+    from tests.operator.specs import manifest
+
+    registry = "example.test/ember"
+    pushed = _pushed_refs(registry)
+    assert len(pushed) == 3 and all(ref.startswith(f"{registry}/ember-") for ref in pushed)
+
+    docs = render(helm, "--set", f"image.registry={registry}")
+    workloads = by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet")
+    pulled = set().union(*(_images(w["spec"]["template"]["spec"]) for w in workloads))
+    (operator,) = by_kind(docs, "Deployment")
+    env = {
+        e["name"]: e.get("value")
+        for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    settings = OperatorSettings(runtime_image=env["EMBER_OPERATOR_RUNTIME_IMAGE"])
+    spec = parse_spec(manifest()["spec"])
+    owner = operator_render.Owner(name="demo", namespace="ns", uid="u-1")
+    children = operator_render.render(owner, spec, settings, sizing.compute(spec, settings, None))
+    (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert len(pod["initContainers"]) >= 1  # prewarm pulls the runtime image too
+    pulled |= _images(pod)
+    assert pulled <= pushed, f"pulled but never pushed: {sorted(pulled - pushed)}"
+    assert pulled == pushed  # and every pushed image is used by the chart

@@ -249,3 +249,33 @@ def test_thermal_of_folds_the_replicas_own_conditions() -> None:
     assert (st["hottestCelsius"], st["maxBatchSize"]) == (84, 13)
     off = status.thermal_of(pods, adaptive=False, max_batch=16)
     assert off.throttled["reason"] == "ThermalPolicyOff"
+
+
+def test_a_replica_without_a_sensor_says_why_in_throttled() -> None:
+    """`kubectl describe infd` must answer "why is there no temperature?" (a GPU node whose
+    runtime has no NVML): the replica's own report carries the cause up to the object."""
+    from ember_runtime.config import ThermalReading, thermal_condition
+
+    why = "nvml: NVML cannot start (no NVIDIA driver?): NVML Shared Library Not Found"
+    body = {
+        "metadata": {"name": "gpu-0"},
+        "spec": {"nodeName": "n1"},
+        "status": {
+            "phase": "Running",
+            "conditions": [
+                thermal_condition(ThermalReading("SensorUnavailable", None, 16, 16, why), NOW)
+            ],
+        },
+    }
+    pods = [status.pod_summary(body)]
+    thermal = status.thermal_of(pods, adaptive=True, max_batch=16)
+    assert thermal.throttled == {
+        "type": "Throttled",
+        "status": "False",
+        "reason": "SensorUnavailable",
+        "message": f"all replicas run at max batch 16; sensor problems: gpu-0: {why}",
+    }
+    assert thermal.replicas == {"gpu-0": {"maxBatchSize": 16}}  # no sensorProblem in replicas
+    st = status.compute_status(_obs(pods=pods, thermal=thermal), {}, NOW)
+    throttled = next(c for c in st["conditions"] if c["type"] == "Throttled")
+    assert throttled["reason"] == "SensorUnavailable" and why in throttled["message"]

@@ -69,6 +69,7 @@ def test_thermal_zones_in_celsius(tmp_path: Path) -> None:
 
 
 def test_no_thermal_zones_reads_empty(tmp_path: Path) -> None:
+    (tmp_path / "class" / "thermal").mkdir(parents=True)  # sysfs there, no zone in it
     assert ThermalZoneReader(tmp_path).read() == {}
 
 

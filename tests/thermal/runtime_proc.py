@@ -65,9 +65,11 @@ def start_runtime(
     argv_prefix: Sequence[str] = (),
     thermal: ThermalPolicy | None = None,
     env: dict[str, str] | None = None,
+    nvml: bool = False,
 ) -> RuntimeProcess:
     """`env` extra variables, e.g. POD_NAME/POD_NAMESPACE/KUBERNETES_SERVICE_HOST and
-    EMBER_SERVICEACCOUNT_DIR to have it report its condition to a real API server."""
+    EMBER_SERVICEACCOUNT_DIR to have it report its condition to a real API server. `nvml`: the
+    NVML sensor on, as the operator renders it for `accelerator: nvidia-gpu`."""
     model = default_model_path()
     key_file = None
     if api_key is not None:
@@ -91,6 +93,7 @@ def start_runtime(
         sensors=SensorSettings(
             sysfs_root=str(sysfs_root),
             interval_seconds=interval,
+            nvml=nvml,
             report_condition=env is not None and "POD_NAME" in env,
         ),
         thermal=thermal or ThermalPolicy(max_batch_size=max_batch, min_batch_size=min_batch),

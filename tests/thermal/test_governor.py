@@ -40,6 +40,19 @@ def test_each_sample_sets_the_limit_and_only_changes_reach_the_engine() -> None:
     assert (state.batch, state.reason) == (10, "Critical")
 
 
+def test_a_broken_sensor_is_sensor_unavailable_not_just_no_reading() -> None:
+    gov, _ = governor()
+    why = "nvml: NVML cannot start (no NVIDIA driver?)"
+    state = gov.apply(None, why)
+    assert (state.batch, state.reason) == (16, "SensorUnavailable")  # full batch, and why
+    assert state.reading().detail == why
+    assert gov.set_override(8, 60).reason == "SensorUnavailable"  # kept across re-applies
+    assert gov.apply(None).reason == "NoReading"  # nothing configured is broken
+    # Another sensor still reads: the policy's own reason, the problem still reported.
+    state = gov.apply(84.0, why)
+    assert (state.reason, state.reading().detail) == ("Throttled", why)
+
+
 def test_policy_max_is_capped_by_the_engine_capacity() -> None:
     gov, pushed = governor(capacity=8)
     assert pushed == [8]
@@ -82,6 +95,11 @@ def test_reloaded_policy_applies_at_once_to_the_last_reading() -> None:
         (ThermalReading("Throttled", 84, 13, 16), ThermalReading("Throttled", 84, 12, 16), True),
         (ThermalReading("Throttled", 84, 13, 16), ThermalReading("Critical", 84, 13, 16), True),
         (ThermalReading("Normal", 50, 16, 16), ThermalReading("NoReading", None, 16, 16), True),
+        (  # the sensor's problem changed (e.g. driver gone → GPU lost): write it
+            ThermalReading("SensorUnavailable", None, 16, 16, detail="nvml: no driver"),
+            ThermalReading("SensorUnavailable", None, 16, 16, detail="nvml: GPU is lost"),
+            True,
+        ),
     ],
 )
 def test_worth_reporting(last: ThermalReading | None, new: ThermalReading, report: bool) -> None:

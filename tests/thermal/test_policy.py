@@ -171,5 +171,19 @@ def test_messages_are_the_documented_ones() -> None:
     assert parse_thermal_condition([]) is None
 
 
+def test_a_sensor_problem_rides_in_the_message_and_round_trips() -> None:
+    why = "nvml: NVML cannot start (no NVIDIA driver?): NVML Shared Library Not Found"
+    reading = ThermalReading("SensorUnavailable", None, 16, 16, detail=why)
+    assert reading.message() == f"no reading, batch 16/16; {why}"
+    cond = thermal_condition(reading, "2026-01-01T00:00:00Z")
+    assert (cond["status"], cond["reason"]) == ("False", "SensorUnavailable")
+    assert parse_thermal_condition([cond]) == reading
+    # A broken GPU sensor on a node whose CPU zones still read: a temperature and the cause.
+    partial = ThermalReading("Normal", 61, 16, 16, detail=why)
+    assert parse_thermal_condition([thermal_condition(partial, "t")]) == partial
+    long = ThermalReading("SensorUnavailable", None, 16, 16, detail="x" * 1000)
+    assert len(long.message()) < 350
+
+
 def test_policy_off_reason() -> None:
     assert ThermalPolicy(adaptive=False).reason(120.0, 16) == "PolicyOff"

@@ -1,8 +1,10 @@
 """Sensors through their real code paths: a fake sysfs tree, a fake `npu-smi` executable,
-and NVML's absence on this machine (no NVIDIA driver here)."""
+and NVML's absence on this machine (no NVIDIA driver here). A sensor that cannot work gives no
+reading and says why (`problems_of`); it never raises out of `build_source`."""
 
 from __future__ import annotations
 
+import re
 import stat
 import sys
 import time
@@ -14,6 +16,7 @@ from ember_runtime.config import SensorSettings
 from ember_runtime.sensors import (
     CompositeSource,
     Ewma,
+    Retrying,
     Sample,
     Sampler,
     SensorUnavailableError,
@@ -21,9 +24,10 @@ from ember_runtime.sensors import (
     ThermalZoneReader,
     build_source,
     hottest,
+    problems_of,
 )
 from ember_runtime.sensors.npu_smi import NpuSmiParseError, NpuSmiReader, parse_npu_smi_info
-from ember_runtime.sensors.nvml import decode_reasons
+from ember_runtime.sensors.nvml import NvmlReader, decode_reasons
 
 from tests.thermal.conftest import FIXTURES, FakeThermalTree
 
@@ -45,8 +49,9 @@ def test_zone_type_filter_and_implausible_values(thermal_tree: FakeThermalTree) 
     assert reader.read() == {"soc-thermal": 70.0}
 
 
-def test_missing_tree_reads_empty(tmp_path: Path) -> None:
-    assert ThermalZoneReader(tmp_path / "nothing").read() == {}
+def test_missing_tree_is_unavailable_with_the_path(tmp_path: Path) -> None:
+    with pytest.raises(SensorUnavailableError, match=r"nothing/class/thermal does not exist"):
+        ThermalZoneReader(tmp_path / "nothing").read()
 
 
 def test_hottest() -> None:
@@ -168,6 +173,14 @@ def test_npu_smi_failures_are_clear(tmp_path: Path) -> None:
     failing = _fake_npu_smi(tmp_path, "import sys\nprint('dcmi init failed')\nsys.exit(3)\n")
     with pytest.raises(SensorUnavailableError, match="exited 3: dcmi init failed"):
         NpuSmiReader([str(failing), "info"]).read()
+    # Exit 0 with an error instead of the table (a driver that is not up yet).
+    garbled = _fake_npu_smi(tmp_path, "print('dcmi module initialize failed. ret is -8005')\n")
+    with pytest.raises(SensorUnavailableError, match="no header with Temp"):
+        NpuSmiReader([str(garbled), "info"]).read()
+    not_executable = tmp_path / "npu-smi-noexec"
+    not_executable.write_text("#!/bin/sh\n")
+    with pytest.raises(SensorUnavailableError, match="cannot run"):
+        NpuSmiReader([str(not_executable), "info"]).read()
     with pytest.raises(ValueError):
         NpuSmiReader([])
 
@@ -192,18 +205,105 @@ def test_composite_keeps_working_sources() -> None:
         def read(self) -> dict[str, float]:
             return {"ok": 40.0}
 
-    assert CompositeSource([Broken(), Fine()]).read() == {"ok": 40.0}
+    composite = CompositeSource([Broken(), Fine()])
+    assert composite.read() == {"ok": 40.0}
+    assert problems_of(composite) == {"Broken": "npu-smi not found"}
+
+
+def test_composite_problems_clear_when_a_source_recovers() -> None:
+    class Flaky:
+        name = "flaky"
+        fail = True
+
+        def read(self) -> dict[str, float]:
+            if self.fail:
+                raise RuntimeError("device gone")  # not only the expected error types
+            return {"gpu0": 50.0}
+
+    flaky = Flaky()
+    composite = CompositeSource([flaky])
+    assert composite.read() == {}
+    assert composite.problems() == {"flaky": "device gone"}
+    flaky.fail = False
+    assert composite.read() == {"gpu0": 50.0}
+    assert composite.problems() == {}
+
+
+def test_retrying_builds_again_only_after_the_interval() -> None:
+    now = [0.0]
+    attempts: list[float] = []
+
+    class Up:
+        def read(self) -> dict[str, float]:
+            return {"gpu0": 45.0}
+
+    def factory() -> Up:
+        attempts.append(now[0])
+        if now[0] < 60:
+            raise SensorUnavailableError("NVML cannot start (no NVIDIA driver?)")
+        return Up()
+
+    source = Retrying("nvml", factory, retry_seconds=30, clock=lambda: now[0])
+    for t in (0.0, 10.0, 29.0):
+        now[0] = t
+        with pytest.raises(SensorUnavailableError, match="no NVIDIA driver"):
+            source.read()
+    assert attempts == [0.0]  # not at every sample
+    now[0] = 30.0
+    with pytest.raises(SensorUnavailableError):
+        source.read()
+    now[0] = 60.0
+    assert source.read() == {"gpu0": 45.0}  # the driver came up: no restart needed
+    assert attempts == [0.0, 30.0, 60.0]
 
 
 # ----------------------------------------------------------------------------- NVML
 
 
-def test_nvml_absent_is_a_clear_error(tmp_path: Path) -> None:
-    """This machine has no NVIDIA driver: whether nvidia-ml-py is installed or not, NVML must
-    fail at construction with a message that says what is missing."""
-    settings = SensorSettings(sysfs_root=str(tmp_path), nvml=True)
+def test_nvml_reader_without_a_driver_says_what_is_missing() -> None:
+    """This machine has no NVIDIA driver: whether nvidia-ml-py is installed or not, the reader
+    fails at construction with a message that says what is missing."""
     with pytest.raises(SensorUnavailableError, match=r"nvidia-ml-py|NVIDIA driver"):
-        build_source(settings)
+        NvmlReader()
+
+
+def test_nvml_configured_without_a_driver_degrades_to_the_other_sensors(
+    thermal_tree: FakeThermalTree,
+) -> None:
+    """A GPU node whose image or driver lacks NVML: the thermal zones still count, and the
+    cause is at hand for the condition (it used to raise here and crash-loop the runtime)."""
+    thermal_tree.zone(0, "soc-thermal", 55.0)
+    source = build_source(SensorSettings(sysfs_root=str(thermal_tree.root), nvml=True))
+    assert source.read() == {"soc-thermal": 55.0}
+    problems = problems_of(source)
+    assert list(problems) == ["nvml"]
+    assert re.search(r"nvidia-ml-py|NVIDIA driver", problems["nvml"])
+
+
+def test_nvml_every_gpu_gone_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML started, then the GPU fell off the bus: no reading, with NVML's own error."""
+    pynvml = pytest.importorskip("pynvml")
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: object())
+
+    def gone(*_: object) -> str:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", gone)
+    reader = NvmlReader()
+    with pytest.raises(SensorUnavailableError, match=r"every GPU: gpu0: GPU is lost"):
+        reader.read()
+
+
+def test_nvml_no_gpu_visible_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    pynvml = pytest.importorskip("pynvml")
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 0)
+    with pytest.raises(SensorUnavailableError, match="sees no GPU"):
+        NvmlReader()
 
 
 def test_throttle_reason_bits() -> None:

@@ -2,13 +2,22 @@
 
 Every source implements `TemperatureSource.read() -> {name: °C}`: Linux thermal zones (sysfs),
 NVIDIA GPUs (NVML), Ascend NPUs (`npu-smi info`). `build_source(config.sensors)` combines the
-configured ones behind an EWMA; `Sampler` reads any source on a background thread.
+configured ones behind an EWMA; `Sampler` reads any source on a background thread. A source
+that cannot work here (no driver, no tool, no sysfs) gives no reading; `problems_of(source)` says
+why, and the runtime reports it (reason `SensorUnavailable`) instead of failing.
 """
 
-from ember_runtime.sensors.base import SensorUnavailableError, TemperatureSource, hottest
+from ember_runtime.sensors.base import (
+    Diagnosed,
+    SensorUnavailableError,
+    TemperatureSource,
+    hottest,
+    problems_of,
+)
 from ember_runtime.sensors.sampler import (
     CompositeSource,
     Ewma,
+    Retrying,
     Sample,
     Sampler,
     SmoothedSource,
@@ -18,7 +27,9 @@ from ember_runtime.sensors.thermal_zone import ThermalZoneReader
 
 __all__ = [
     "CompositeSource",
+    "Diagnosed",
     "Ewma",
+    "Retrying",
     "Sample",
     "Sampler",
     "SensorUnavailableError",
@@ -27,4 +38,5 @@ __all__ = [
     "ThermalZoneReader",
     "build_source",
     "hottest",
+    "problems_of",
 ]

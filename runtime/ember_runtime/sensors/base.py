@@ -21,6 +21,25 @@ class TemperatureSource(Protocol):
         """Current temperatures in degrees Celsius, keyed by a stable sensor name."""
 
 
+@runtime_checkable
+class Diagnosed(Protocol):
+    """A source that knows why some of its sensors give no reading (see `CompositeSource`)."""
+
+    def problems(self) -> dict[str, str]:
+        """{source name: why it gave no reading at the last read}; empty when all work."""
+
+
+def problems_of(source: TemperatureSource) -> dict[str, str]:
+    return source.problems() if isinstance(source, Diagnosed) else {}
+
+
+def describe_problems(problems: Mapping[str, str]) -> str | None:
+    """One line for a condition message and the logs: "nvml: NVML cannot start ..."."""
+    if not problems:
+        return None
+    return "; ".join(f"{name}: {why}" for name, why in sorted(problems.items()))
+
+
 def plausible(celsius: float) -> bool:
     low, high = PLAUSIBLE_CELSIUS
     return low <= celsius <= high

@@ -77,6 +77,8 @@ def parse_npu_smi_info(text: str) -> dict[str, float]:
 
 
 class NpuSmiReader:
+    name = "npu-smi"
+
     def __init__(self, argv: Sequence[str] = DEFAULT_ARGV, timeout: float = 5.0) -> None:
         if not argv:
             raise ValueError("npu-smi argv must not be empty")
@@ -90,6 +92,8 @@ class NpuSmiReader:
             )
         except FileNotFoundError as exc:
             raise SensorUnavailableError(f"{self._argv[0]} not found (Ascend driver?)") from exc
+        except OSError as exc:  # not executable, or the driver's tool dir half-mounted
+            raise SensorUnavailableError(f"{self._argv[0]} cannot run: {exc}") from exc
         except subprocess.TimeoutExpired as exc:
             raise SensorUnavailableError(
                 f"{self._argv[0]} timed out after {self._timeout}s"
@@ -97,4 +101,7 @@ class NpuSmiReader:
         if done.returncode != 0:
             detail = (done.stderr or done.stdout).strip()[:300]
             raise SensorUnavailableError(f"{self._argv[0]} exited {done.returncode}: {detail}")
-        return parse_npu_smi_info(done.stdout)
+        try:
+            return parse_npu_smi_info(done.stdout)
+        except NpuSmiParseError as exc:  # e.g. "dcmi module initialize failed" with status 0
+            raise SensorUnavailableError(f"{self._argv[0]}: {exc}") from exc

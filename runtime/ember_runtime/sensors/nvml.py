@@ -2,8 +2,11 @@
 
 Besides temperature, NVML says *why* a GPU is slow: the SM clock and the clock-event ("throttle")
 reasons. Those go to `details()` for metrics and logs; `read()` returns temperatures only, like
-every other source. Without the package or the driver, construction raises
-`SensorUnavailableError` with the reason, so a misconfigured node fails loudly at start.
+every other source. Without the package, the driver or a GPU, construction raises
+`SensorUnavailableError` with the reason; so does `read()` once every GPU has fallen off the bus.
+`build_source` wraps this reader in `Retrying`: the runtime serves without a GPU temperature and
+reports why (reason `SensorUnavailable` on its `ember.dev/Thermal` condition) instead of
+crash-looping.
 """
 
 from __future__ import annotations
@@ -59,14 +62,26 @@ def _load() -> ModuleType:
 class NvmlReader:
     """GPU temperatures keyed `gpu<index>`; all GPUs visible to the container count."""
 
+    name = "nvml"
+
     def __init__(self) -> None:
         self._nvml = _load()
         try:
             self._nvml.nvmlInit()
-            count = int(self._nvml.nvmlDeviceGetCount())
         except self._nvml.NVMLError as exc:
             raise SensorUnavailableError(f"NVML cannot start (no NVIDIA driver?): {exc}") from exc
-        self._handles: list[Any] = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        try:
+            count = int(self._nvml.nvmlDeviceGetCount())
+            self._handles: list[Any] = [
+                self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)
+            ]
+        except self._nvml.NVMLError as exc:  # a GPU gone between the count and the handle
+            self.close()
+            raise SensorUnavailableError(f"NVML cannot list the GPUs: {exc}") from exc
+        if not self._handles:
+            self.close()
+            raise SensorUnavailableError("NVML sees no GPU (is one allocated to this container?)")
+        self._failing: set[int] = set()
 
     def close(self) -> None:
         try:
@@ -82,7 +97,8 @@ class NvmlReader:
         return int(getter(handle))
 
     def details(self) -> list[GpuReading]:
-        out = []
+        """Every GPU that answers; `SensorUnavailableError` when none does."""
+        out, errors = [], {}
         for index, handle in enumerate(self._handles):
             try:
                 name = self._nvml.nvmlDeviceGetName(handle)
@@ -90,10 +106,18 @@ class NvmlReader:
                 clock = int(self._nvml.nvmlDeviceGetClockInfo(handle, NVML_CLOCK_SM))
                 mask = self._reasons(handle)
             except self._nvml.NVMLError as exc:  # a GPU fell off the bus: report the others
-                log.warning("gpu%d: NVML read failed: %s", index, exc)
+                errors[index] = str(exc)
                 continue
             text = name.decode() if isinstance(name, bytes) else str(name)
             out.append(GpuReading(index, text, temp, clock, decode_reasons(mask)))
+        if set(errors) != self._failing:  # log changes only: reads run several times a second
+            for index in sorted(set(errors) - self._failing):
+                log.warning("gpu%d: NVML read failed: %s", index, errors[index])
+            self._failing = set(errors)
+        if errors and not out:
+            first = min(errors)
+            detail = f"gpu{first}: {errors[first]}"
+            raise SensorUnavailableError(f"NVML read failed on every GPU: {detail}")
         return out
 
     def read(self) -> dict[str, float]:

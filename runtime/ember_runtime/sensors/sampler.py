@@ -18,12 +18,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ember_runtime.config import SensorSettings
-from ember_runtime.sensors.base import SensorUnavailableError, TemperatureSource, hottest
+from ember_runtime.sensors.base import (
+    SensorUnavailableError,
+    TemperatureSource,
+    hottest,
+    problems_of,
+)
 from ember_runtime.sensors.npu_smi import NpuSmiReader
 from ember_runtime.sensors.nvml import NvmlReader
 from ember_runtime.sensors.thermal_zone import ThermalZoneReader
 
 log = logging.getLogger(__name__)
+
+# How often a source that could not start (NVML without a driver) is tried again: each try
+# loads a library or runs a tool, so not at every sample.
+RETRY_SECONDS = 30.0
 
 
 class Ewma:
@@ -50,20 +59,80 @@ class Ewma:
         return {k: round(v, 2) for k, v in out.items()}
 
 
+def source_name(source: TemperatureSource) -> str:
+    return str(getattr(source, "name", type(source).__name__))
+
+
+class Retrying:
+    """A source built on first use, and built again at most every `retry_seconds` while that
+    fails: NVML without a driver must not stop the server, and a driver that comes up later (or
+    a GPU handed to the container after a restart of the device plugin) is picked up without a
+    pod restart. Until then `read()` raises `SensorUnavailableError` with the cause."""
+
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[], TemperatureSource],
+        retry_seconds: float = RETRY_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self._factory, self._retry, self._clock = factory, retry_seconds, clock
+        self._source: TemperatureSource | None = None
+        self._error: str | None = None
+        self._next_try = float("-inf")
+
+    def _build(self) -> TemperatureSource | None:
+        now = self._clock()
+        if now < self._next_try:
+            return None
+        try:
+            self._source = self._factory()
+        except Exception as exc:  # any init failure (a broken library too) means "no reading"
+            self._error = str(exc) or type(exc).__name__
+            self._next_try = now + self._retry
+            return None
+        self._error = None
+        log.info("%s sensor started", self.name)
+        return self._source
+
+    def read(self) -> dict[str, float]:
+        source = self._source or self._build()
+        if source is None:
+            raise SensorUnavailableError(self._error or f"{self.name} not started")
+        return source.read()
+
+
 class CompositeSource:
-    """Several sources read as one; a failing source is logged and the others still count."""
+    """Several sources read as one. A failing source gives no reading, the others still count,
+    and `problems()` says why (logged when it starts, changes or clears, not at every read)."""
 
     def __init__(self, sources: Sequence[TemperatureSource]) -> None:
         self._sources = list(sources)
+        self._problems: dict[str, str] = {}
 
     def read(self) -> dict[str, float]:
         temps: dict[str, float] = {}
+        problems: dict[str, str] = {}
         for source in self._sources:
+            name = source_name(source)
             try:
                 temps.update(source.read())
-            except (SensorUnavailableError, OSError, ValueError) as exc:
-                log.warning("%s: %s", type(source).__name__, exc)
+            except Exception as exc:  # one broken source must not hide the others' readings
+                problems[name] = str(exc) or type(exc).__name__
+        self._log_changes(problems)
+        self._problems = problems
         return temps
+
+    def _log_changes(self, problems: dict[str, str]) -> None:
+        for name, why in problems.items():
+            if self._problems.get(name) != why:
+                log.warning("%s sensor gives no reading: %s", name, why)
+        for name in self._problems.keys() - problems.keys():
+            log.info("%s sensor reads again", name)
+
+    def problems(self) -> dict[str, str]:
+        return dict(self._problems)
 
 
 class SmoothedSource:
@@ -79,13 +148,19 @@ class SmoothedSource:
         with self._lock:
             return self._ewma.update(sample)
 
+    def problems(self) -> dict[str, str]:
+        return problems_of(self._source)
+
 
 def build_source(settings: SensorSettings) -> SmoothedSource:
-    """The runtime's source from its config: thermal zones, plus NVML / npu-smi if configured."""
+    """The runtime's source from its config: thermal zones, plus NVML / npu-smi if configured.
+
+    Never raises for a sensor that cannot work here: its reads fail instead, and the source's
+    `problems()` carries the cause to the governor, the pod condition and `/admin/state`."""
     zones = ThermalZoneReader(settings.sysfs_root, settings.zone_types)
     sources: list[TemperatureSource] = [zones]
     if settings.nvml:
-        sources.append(NvmlReader())  # raises SensorUnavailableError with the reason
+        sources.append(Retrying("nvml", NvmlReader))
     if settings.npu_smi:
         sources.append(NpuSmiReader([settings.npu_smi, "info"]))
     ewma = Ewma(settings.ewma_rising, settings.ewma_falling)

@@ -13,12 +13,14 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from ember_runtime.sensors.base import plausible
+from ember_runtime.sensors.base import SensorUnavailableError, plausible
 
 log = logging.getLogger(__name__)
 
 
 class ThermalZoneReader:
+    name = "thermal-zones"
+
     def __init__(self, sysfs_root: str | Path = "/sys", types: Sequence[str] = ()) -> None:
         self._base = Path(sysfs_root) / "class" / "thermal"
         self._types = tuple(types)
@@ -27,6 +29,8 @@ class ThermalZoneReader:
         return not self._types or any(fnmatch.fnmatchcase(kind, p) for p in self._types)
 
     def read(self) -> dict[str, float]:
+        if not self._base.is_dir():  # sysfs not mounted there (a wrong sysfsRoot, a VM)
+            raise SensorUnavailableError(f"no thermal zones: {self._base} does not exist")
         temps: dict[str, float] = {}
         for zone in sorted(self._base.glob("thermal_zone*")):
             try:

@@ -35,6 +35,7 @@ def _snapshot(state: AppState) -> AdminState:
         temperatures=dict(state.temperatures),
         draining=state.draining,
         thermal_reason=governed.reason if governed else "",
+        sensor_problem=governed.sensor_problem if governed else None,
         override_expires_in_seconds=None
         if override is None
         else round(max(0.0, override.until - time.monotonic()), 1),

@@ -249,6 +249,11 @@ class AdminState(BaseModel):
     temperatures: dict[str, float]
     draining: bool
     thermal_reason: str = Field(serialization_alias="thermalReason")
+    sensor_problem: str | None = Field(
+        default=None,
+        serialization_alias="sensorProblem",
+        description="Why a configured sensor gives no reading (e.g. NVML without a driver).",
+    )
     override_expires_in_seconds: float | None = Field(
         default=None, serialization_alias="overrideExpiresInSeconds"
     )

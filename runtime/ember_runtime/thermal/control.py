@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from ember_runtime.config import ThermalPolicy, load_config
-from ember_runtime.sensors.base import TemperatureSource
+from ember_runtime.sensors.base import TemperatureSource, describe_problems, problems_of
 from ember_runtime.thermal.governor import Governor
 from ember_runtime.thermal.reporter import ConditionReporter
 
@@ -38,12 +38,13 @@ async def govern(
         started = loop.time()
         try:
             temps = await asyncio.to_thread(source.read)
-        except Exception:  # a broken sensor must not take serving down: treat as no reading
+            problem = describe_problems(problems_of(source))
+        except Exception as exc:  # a broken sensor must not take serving down: no reading
             log.exception("temperature read failed")
-            temps = {}
+            temps, problem = {}, f"{type(source).__name__}: {exc}"
         if on_sample is not None:
             on_sample(temps)
-        state = governor.apply(max(temps.values()) if temps else None)
+        state = governor.apply(max(temps.values()) if temps else None, problem)
         if reporter is not None:
             reporter.offer(state.reading())
         await asyncio.sleep(max(0.0, interval - (loop.time() - started)))

@@ -15,7 +15,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ember_runtime.config import ThermalPolicy, ThermalReading
+from ember_runtime.config import (
+    REASON_NO_READING,
+    REASON_SENSOR_UNAVAILABLE,
+    ThermalPolicy,
+    ThermalReading,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +41,7 @@ class GovernorState:
     capacity: int
     reason: str
     override: Override | None
+    sensor_problem: str | None = None  # why a configured sensor gives no reading
 
     def reading(self) -> ThermalReading:
         temp = self.temperature_celsius
@@ -44,6 +50,7 @@ class GovernorState:
             temperature_celsius=None if temp is None else round(temp),
             max_batch_size=self.batch,
             capacity=self.capacity,
+            detail=self.sensor_problem,
         )
 
 
@@ -70,6 +77,7 @@ class Governor:
         # from its own hysteresis state (not from the override's value) when that expires.
         self._policy_batch = self._batch
         self._temp: float | None = None
+        self._sensor_problem: str | None = None
         self._override: Override | None = None
         set_batch(self._batch)  # the policy's maximum may be below the engine's capacity
 
@@ -87,7 +95,7 @@ class Governor:
         with self._lock:
             self._policy = self._fit(policy)
         log.info("thermal policy reloaded: %s", self._policy.model_dump(by_alias=True))
-        return self.apply(self._temp)
+        return self.apply(self._temp, self._sensor_problem)
 
     def set_override(self, batch: int, seconds: float) -> GovernorState:
         if not 1 <= batch <= self._capacity:
@@ -96,17 +104,18 @@ class Governor:
             raise ValueError(f"expiresInSeconds must be within (0, {MAX_OVERRIDE_SECONDS:.0f}]")
         with self._lock:
             self._override = Override(batch, self._clock() + seconds)
-        return self.apply(self._temp)
+        return self.apply(self._temp, self._sensor_problem)
 
     def clear_override(self) -> GovernorState:
         with self._lock:
             self._override = None
-        return self.apply(self._temp)
+        return self.apply(self._temp, self._sensor_problem)
 
-    def apply(self, temp: float | None) -> GovernorState:
-        """One sample: decide the limit, hand it to the engine if it changed."""
+    def apply(self, temp: float | None, sensor_problem: str | None = None) -> GovernorState:
+        """One sample: decide the limit, hand it to the engine if it changed. `sensor_problem`:
+        why a configured sensor gave no reading (it goes into the reported state)."""
         with self._lock:
-            self._temp = temp
+            self._temp, self._sensor_problem = temp, sensor_problem
             override = self._override
             if override is not None and self._clock() >= override.until:
                 log.info("manual batch override %d expired", override.batch)
@@ -126,12 +135,16 @@ class Governor:
             return self._state_locked()
 
     def _state_locked(self) -> GovernorState:
+        reason = self._policy.reason(self._temp, self._batch)
+        if reason == REASON_NO_READING and self._sensor_problem:
+            reason = REASON_SENSOR_UNAVAILABLE  # not just "no reading": a sensor is broken
         return GovernorState(
             temperature_celsius=self._temp,
             batch=self._batch,
             capacity=self._policy.max_batch_size,
-            reason=self._policy.reason(self._temp, self._batch),
+            reason=reason,
             override=self._override,
+            sensor_problem=self._sensor_problem,
         )
 
 

@@ -5,10 +5,11 @@ the API server is away the task retries with capped backoff and writes the newes
 backlog) when it answers again.
 
 When a state is worth a write (`worth_reporting`): the first one (a restarted container must
-replace its predecessor's condition), a change of reason (Normal/Throttled/Critical/…) or of the
-batch limit, or a temperature `band_celsius` away from the last written one. The band is centred
-on the last written value rather than fixed edges, so a reading wobbling on an edge never writes
-twice; the operator uses it for TEMP, `/metrics` has the live value.
+replace its predecessor's condition), a change of reason (Normal/Throttled/Critical/…), of the
+batch limit or of the sensor problem (why a sensor gives no reading), or a temperature
+`band_celsius` away from the last written one. The band is centred on the last written value
+rather than fixed edges, so a reading wobbling on an edge never writes twice; the operator uses
+it for TEMP, `/metrics` has the live value.
 
 Rate: at most one write per `min_interval` (2 s by default). A ramp of 1 °C/s with 2 °C steps
 changes the batch every 2 s at most, so coalescing loses no step of a real ramp; it bounds a
@@ -44,10 +45,11 @@ class ConditionWriter(Protocol):
 def worth_reporting(last: ThermalReading | None, new: ThermalReading, band: float) -> bool:
     if last is None:
         return True
-    if (last.reason, last.max_batch_size, last.capacity) != (
+    if (last.reason, last.max_batch_size, last.capacity, last.detail) != (
         new.reason,
         new.max_batch_size,
         new.capacity,
+        new.detail,
     ):
         return True
     if (last.temperature_celsius is None) != (new.temperature_celsius is None):
