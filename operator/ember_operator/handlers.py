@@ -367,3 +367,7 @@ def service_event(**kwargs: Any) -> None:
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 def deployment_event(**kwargs: Any) -> None:
     _on_child_event("Deployment", kwargs)
+
+
+# Last: it registers the kubelet-Event handlers and uses `refresh` above.
+from ember_operator import kubelet_events  # noqa: E402, F401
