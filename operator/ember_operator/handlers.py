@@ -422,3 +422,7 @@ def deployment_event(**kwargs: Any) -> None:
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
 def pdb_event(**kwargs: Any) -> None:
     _on_child_event("PodDisruptionBudget", kwargs)
+
+
+# Last: it registers the kubelet-Event handlers and uses `refresh` above.
+from ember_operator import kubelet_events  # noqa: E402, F401

@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 import yaml
+from ember_runtime import reasons
 from ember_runtime.config import (
     EngineSettings,
     ModelFile,
@@ -94,7 +95,7 @@ def problems(spec: InferenceDeploymentSpec, sizing: Sizing) -> list[Problem]:
     if spec.prewarm.enabled and sizing.shared_memory_bytes < sizing.model_bytes:
         found.append(
             Problem(
-                "SharedMemoryTooSmall",
+                reasons.SHARED_MEMORY_TOO_SMALL,
                 f"prewarm.sharedMemoryLimit ({quantity.format_bytes(sizing.shared_memory_bytes)}) "
                 f"is smaller than the model files ({sizing.model_bytes} bytes); raise it or "
                 "disable prewarm",
@@ -104,7 +105,7 @@ def problems(spec: InferenceDeploymentSpec, sizing: Sizing) -> list[Problem]:
     if limit is not None and quantity.parse(limit) < sizing.shared_memory_bytes:
         found.append(
             Problem(
-                "MemoryLimitTooSmall",
+                reasons.MEMORY_LIMIT_TOO_SMALL,
                 f"resources.limits.memory ({limit}) cannot hold the memory-backed prewarm volume "
                 f"({quantity.format_bytes(sizing.shared_memory_bytes)})",
             )

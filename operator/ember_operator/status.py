@@ -7,11 +7,11 @@ changes, and the `observedGeneration` the condition was computed for.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ember_runtime import reasons
 from ember_runtime.config import (
     REASON_POLICY_OFF,
     REASON_SENSOR_UNAVAILABLE,
@@ -23,19 +23,9 @@ from ember_operator.render import Problem
 
 READY, PROGRESSING, DEGRADED, THROTTLED = "Ready", "Progressing", "Degraded", "Throttled"
 THERMAL_FIELDS = ("temperatureCelsius", "maxBatchSize")
-# Container waiting reasons that will not fix themselves without a human.
-STUCK_REASONS = frozenset(
-    {
-        "CrashLoopBackOff",
-        "ImagePullBackOff",
-        "ErrImagePull",
-        "InvalidImageName",
-        "CreateContainerConfigError",
-        "CreateContainerError",
-    }
-)
-# prewarm writes "Reason: detail" to its termination log (e.g. "ChecksumMismatch: ...").
-_REASON_PREFIX = re.compile(r"^([A-Z][A-Za-z0-9]{2,63}):\s*(.*)$", re.DOTALL)
+# Container waiting reasons that are part of every start. Any other one (CrashLoopBackOff,
+# ImagePullBackOff, CreateContainerConfigError, …) is the kubelet saying the pod is stuck.
+STARTING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
 MAX_MESSAGE = 512
 
 
@@ -45,35 +35,101 @@ class PodFailure:
     message: str
 
 
-def _terminated_failure(cstatus: Mapping[str, Any], default_reason: str) -> PodFailure | None:
+def _one_line(text: str) -> str:
+    """Folded to one line; a long text keeps its end (a log tail's last line is the error)."""
+    line = " ".join(text.split())
+    return line if len(line) <= MAX_MESSAGE else "…" + line[-(MAX_MESSAGE - 1) :]
+
+
+def _terminated(cstatus: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The container's failed termination, current or previous, if any."""
     for key in ("state", "lastState"):
         term = (cstatus.get(key) or {}).get("terminated")
         if term and term.get("exitCode", 0) != 0:
-            text = (term.get("message") or term.get("reason") or "").strip()
-            match = _REASON_PREFIX.match(text)
-            if match:
-                return PodFailure(match[1], match[2].strip()[:MAX_MESSAGE])
-            detail = text[:MAX_MESSAGE] or f"exit code {term.get('exitCode')}"
-            return PodFailure(default_reason, f"{cstatus.get('name')}: {detail}")
+            return dict(term)
     return None
 
 
-def pod_failure(pod_status: Mapping[str, Any]) -> PodFailure | None:
-    """The reason a pod cannot become ready by itself, if any (init failures first)."""
+def _from_termination(
+    name: str, term: Mapping[str, Any], limit: str | None
+) -> tuple[PodFailure | None, str]:
+    """(a failure with a reason of its own, or None; the termination's detail). Own reasons:
+    the kubelet's OOMKilled, or a `Reason: detail` line prewarm or the runtime wrote
+    (`ember_runtime.reasons`)."""
+    code = term.get("exitCode")
+    if term.get("reason") == reasons.OOM_KILLED:
+        detail = f"{name}: killed at its memory limit {limit or '(none set)'} (exit code {code})"
+        return PodFailure(reasons.OOM_KILLED, detail), detail
+    text = str(term.get("message") or "")
+    parsed = reasons.parse_termination_message(text)
+    if parsed is not None:
+        return PodFailure(parsed[0], _one_line(parsed[1])), parsed[1]
+    return None, _one_line(text or term.get("reason") or f"exit code {code}")
+
+
+def _container_failure(
+    cstatus: Mapping[str, Any], limit: str | None, *, init: bool
+) -> PodFailure | None:
+    name = str(cstatus.get("name"))
+    waiting = (cstatus.get("state") or {}).get("waiting") or {}
+    stuck = waiting.get("reason") not in (None, *STARTING_REASONS)
+    term = _terminated(cstatus)
+    if term is not None:
+        own, detail = _from_termination(name, term, limit)
+        if own is not None:
+            return own
+        if init:  # an init container that failed blocks the pod whatever its state now
+            return PodFailure(reasons.PREWARM_FAILED, f"{name}: {detail}")
+        if stuck:  # e.g. CrashLoopBackOff: the termination says more than "back-off 5m0s"
+            return PodFailure(waiting["reason"], f"{name}: {detail}")
+    if stuck:
+        return PodFailure(waiting["reason"], _one_line(f"{name}: {waiting.get('message') or ''}"))
+    return None
+
+
+def pod_failure(
+    pod_status: Mapping[str, Any], memory_limits: Mapping[str, str] | None = None
+) -> PodFailure | None:
+    """The reason a pod cannot become ready by itself, if any (init failures first), with the
+    kubelet's (or the container's own) message. `memory_limits`: container -> limit, for the
+    OOMKilled message."""
+    limits = memory_limits or {}
     for cstatus in pod_status.get("initContainerStatuses") or []:
-        failure = _terminated_failure(cstatus, "PrewarmFailed")
+        failure = _container_failure(cstatus, limits.get(str(cstatus.get("name"))), init=True)
         if failure:
             return failure
     for cstatus in pod_status.get("containerStatuses") or []:
-        waiting = (cstatus.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in STUCK_REASONS:
-            last = _terminated_failure(cstatus, waiting["reason"])
-            message = last.message if last else (waiting.get("message") or "")
-            return PodFailure(waiting["reason"], f"{cstatus.get('name')}: {message}"[:MAX_MESSAGE])
+        if cstatus.get("ready"):
+            continue
+        failure = _container_failure(cstatus, limits.get(str(cstatus.get("name"))), init=False)
+        if failure:
+            return failure
     for cond in pod_status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
-            return PodFailure("Unschedulable", (cond.get("message") or "")[:MAX_MESSAGE])
+        if cond.get("type") == "PodScheduled" and cond.get("reason") == reasons.UNSCHEDULABLE:
+            return PodFailure(reasons.UNSCHEDULABLE, _one_line(cond.get("message") or ""))
     return None
+
+
+def _memory_limits(spec: Mapping[str, Any]) -> dict[str, str]:
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    return {
+        str(c.get("name")): str(limit)
+        for c in containers
+        if (limit := ((c.get("resources") or {}).get("limits") or {}).get("memory"))
+    }
+
+
+def pod_started(status: Mapping[str, Any]) -> bool:
+    """Whether any container has run: its volumes were mounted and its sandbox is up, so a
+    kubelet Event about those (FailedMount, …) is history."""
+    for cstatus in [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]:
+        state, last = cstatus.get("state") or {}, cstatus.get("lastState") or {}
+        if "running" in state or "terminated" in state or "terminated" in last:
+            return True
+    return False
 
 
 def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -83,13 +139,14 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in status.get("conditions") or []
     )
-    failure = pod_failure(status)
+    failure = pod_failure(status, _memory_limits(spec))
     reading = parse_thermal_condition(status.get("conditions"))
     return {
         "pod": meta.get("name"),
         "node": spec.get("nodeName"),
         "phase": status.get("phase"),
         "ready": ready,
+        "started": pod_started(status),
         "deleting": meta.get("deletionTimestamp") is not None,
         "failure": None
         if failure is None
@@ -97,6 +154,24 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         # The runtime's own report (ember.dev/Thermal), typed; None before its first write.
         "thermal": None if reading is None else _reading_fields(reading),
     }
+
+
+def with_kubelet_events(
+    pods: Iterable[Mapping[str, Any]], events: Mapping[str, PodFailure]
+) -> list[Mapping[str, Any]]:
+    """Pod summaries, where a pod that has not started any container and reports no failure of
+    its own takes the kubelet's warning Event about it (`events`: pod name -> reason/message),
+    e.g. FailedMount for a hostPath that does not exist: such a pod waits in ContainerCreating
+    forever and its status says nothing else."""
+    out: list[Mapping[str, Any]] = []
+    for pod in pods:
+        event = events.get(str(pod.get("pod")))
+        if event is None or pod.get("failure") or pod.get("started"):
+            out.append(pod)
+        else:
+            failure = {"reason": event.reason, "message": _one_line(event.message)}
+            out.append({**pod, "failure": failure})
+    return out
 
 
 def _reading_fields(reading: ThermalReading) -> dict[str, Any]:
@@ -135,7 +210,7 @@ def _throttled(pods: list[Mapping[str, Any]], adaptive: bool, max_batch: int) ->
         return {
             "type": THROTTLED,
             "status": "False",
-            "reason": "ThermalPolicyOff",
+            "reason": reasons.THERMAL_POLICY_OFF,
             "message": "thermal.policy is off",
         }
     reduced = [p for p in pods if p["thermal"].get("maxBatchSize", max_batch) < max_batch]
@@ -146,7 +221,7 @@ def _throttled(pods: list[Mapping[str, Any]], adaptive: bool, max_batch: int) ->
             "type": THROTTLED,
             "status": "False",
             # Not throttled, but only because nothing is measured: `kubectl describe` says why.
-            "reason": REASON_SENSOR_UNAVAILABLE if blind else "FullBatch",
+            "reason": REASON_SENSOR_UNAVAILABLE if blind else reasons.FULL_BATCH,
             "message": message[:MAX_MESSAGE],
         }
     parts = [
@@ -157,7 +232,7 @@ def _throttled(pods: list[Mapping[str, Any]], adaptive: bool, max_batch: int) ->
     return {
         "type": THROTTLED,
         "status": "True",
-        "reason": "ThermalThrottling",
+        "reason": reasons.THERMAL_THROTTLING,
         "message": ("; ".join(parts) + _sensor_problems(pods))[:MAX_MESSAGE],
     }
 
@@ -210,6 +285,7 @@ def _rollout(obs: Observed) -> tuple[int, int, bool]:
 
 def conditions_for(obs: Observed) -> list[dict[str, Any]]:
     replicas, ready, done = _rollout(obs)
+    counts = f"{ready}/{obs.desired} ready"
     failures = [p for p in obs.pods if p.get("failure") and not p.get("deleting")]
     if obs.problems:
         first = obs.problems[0]
@@ -219,21 +295,23 @@ def conditions_for(obs: Observed) -> list[dict[str, Any]]:
             _condition(DEGRADED, True, first.reason, first.message),
         ]
     if obs.desired == 0:
-        ready_c = _condition(READY, True, "ScaledToZero", "replicas is 0")
+        ready_c = _condition(READY, True, reasons.SCALED_TO_ZERO, "replicas is 0")
     elif ready >= obs.desired and obs.deployment is not None:
-        ready_c = _condition(READY, True, "AllReplicasReady", f"{ready}/{obs.desired} ready")
+        ready_c = _condition(READY, True, reasons.ALL_REPLICAS_READY, counts)
     else:
-        ready_c = _condition(READY, False, "ReplicasNotReady", f"{ready}/{obs.desired} ready")
+        ready_c = _condition(READY, False, reasons.REPLICAS_NOT_READY, counts)
     if done:
-        prog = _condition(PROGRESSING, False, "RolloutComplete", "all replicas are up to date")
+        prog = _condition(
+            PROGRESSING, False, reasons.ROLLOUT_COMPLETE, "all replicas are up to date"
+        )
     else:
-        prog = _condition(PROGRESSING, True, "RollingOut", f"{replicas} pods, {ready} ready")
+        prog = _condition(PROGRESSING, True, reasons.ROLLING_OUT, f"{replicas} pods, {ready} ready")
     if failures:
         failure = failures[0]["failure"]
         message = f"pod {failures[0]['pod']}: {failure['message']}"
         degraded = _condition(DEGRADED, True, failure["reason"], message)
     else:
-        degraded = _condition(DEGRADED, False, "AsExpected", "")
+        degraded = _condition(DEGRADED, False, reasons.AS_EXPECTED, "")
     return [ready_c, prog, degraded]
 
 

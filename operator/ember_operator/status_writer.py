@@ -1,7 +1,8 @@
 """The one writer of InferenceDeployment status.
 
 Everything that changes status — a reconcile, a pod's readiness or `ember.dev/Thermal`
-condition, a Deployment's rollout — calls `StatusWriter.write`, which computes the whole status
+condition, a Deployment's rollout, a kubelet warning about a pod (`PodEvents`) — calls
+`StatusWriter.write`, which computes the whole status
 from observed state (pure, `status.compute_status`) and patches only the fields that changed. No
 Kopf `patch.status` beside it, so two paths can never undo each other's writes; a per-object lock
 orders concurrent callers (Kopf runs sync handlers in threads), and the last status written is
@@ -27,6 +28,48 @@ from ember_operator.apply import request
 Key = tuple[str, str]
 
 
+class PodEvents:
+    """The kubelet's warning Events that keep pods from starting (FailedMount, …), one small
+    entry per stuck pod of an InferenceDeployment: they are nowhere in the pod's status, so the
+    status writer keeps them beside what the watches deliver. An entry goes when its pod starts
+    a container or goes away (`kubelet_events`) or its owner is deleted."""
+
+    # The kubelet follows a volume's own error ("hostPath type check failed: … is not a
+    # directory") with a generic timeout after ~2 minutes; the first says what to fix.
+    GENERIC = "Unable to attach or mount volumes"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pods: dict[Key, dict[str, tuple[status.PodFailure, str]]] = {}
+
+    def record(self, key: Key, pod: str, failure: status.PodFailure, at: str) -> bool:
+        """Keep the newest warning for `pod` (`at`: its RFC 3339 time); True if it changed."""
+        with self._lock:
+            pods = self._pods.setdefault(key, {})
+            old = pods.get(pod)
+            if old is not None:
+                older, generic = at < old[1], failure.message.startswith(self.GENERIC)
+                if older or (generic and old[0].reason == failure.reason) or old[0] == failure:
+                    return False
+            pods[pod] = (failure, at)
+            return True
+
+    def forget(self, key: Key, pod: str | None = None) -> None:
+        """Drop one pod's entry, or all of `key`'s when `pod` is None."""
+        with self._lock:
+            if pod is None:
+                self._pods.pop(key, None)
+                return
+            pods = self._pods.get(key, {})
+            pods.pop(pod, None)
+            if not pods:
+                self._pods.pop(key, None)
+
+    def of(self, key: Key) -> dict[str, status.PodFailure]:
+        with self._lock:
+            return {pod: failure for pod, (failure, _) in self._pods.get(key, {}).items()}
+
+
 @dataclass(frozen=True)
 class Observation:
     deployment: Mapping[str, Any] | None
@@ -47,6 +90,7 @@ class StatusWriter:
         self._guard = threading.Lock()
         self._written: dict[Key, tuple[str, dict[str, Any]]] = {}  # key -> (uid, status)
         self.writes = 0
+        self.kubelet = PodEvents()
 
     def _lock(self, key: Key) -> threading.Lock:
         with self._guard:
@@ -66,7 +110,7 @@ class StatusWriter:
                     generation=int(meta.get("generation", 0)),
                     desired=obs.desired,
                     deployment=obs.deployment,
-                    pods=obs.pods,
+                    pods=status.with_kubelet_events(obs.pods, self.kubelet.of(key)),
                     problems=obs.problems,
                     selector=render.selector_string(meta["name"]),
                     thermal=obs.thermal,
@@ -107,6 +151,7 @@ class StatusWriter:
         with self._guard:
             self._written.pop(key, None)
             self._locks.pop(key, None)
+        self.kubelet.forget(key)
         metrics.record_conditions(key, None)
 
 

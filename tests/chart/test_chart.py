@@ -103,7 +103,7 @@ def _rule(group: str, resources: list[str], verbs: list[str]) -> dict[str, Any]:
 # The operator's calls, one rule each (charts/ember/templates/rbac.yaml says which code makes
 # them); tests/operator/test_rbac_cluster.py proves on the real API server that they suffice.
 OPERATOR_RULES = [
-    _rule("ember.dev", ["inferencedeployments"], ["get", "list", "watch", "patch"]),
+    _rule("ember.dev", ["inferencedeployments"], ["list", "watch", "patch"]),
     _rule("ember.dev", ["inferencedeployments/status"], ["patch"]),
     _rule("apps", ["deployments"], ["list", "watch", "create", "patch"]),
     _rule("", ["services", "configmaps"], ["list", "watch", "create", "patch"]),
@@ -117,6 +117,7 @@ OPERATOR_RULES = [
     },
     _rule("", ["pods/eviction"], ["create"]),
     _rule("", ["nodes"], ["get", "list", "patch"]),
+    _rule("", ["events"], ["list", "watch"]),
     _rule("", ["events"], ["create"]),
     _rule("apiextensions.k8s.io", ["customresourcedefinitions"], ["list", "watch"]),
 ]

@@ -6,6 +6,9 @@ from typing import Any
 
 from ember_operator import status
 from ember_operator.render import Problem
+from ember_operator.status_writer import PodEvents
+from ember_runtime import reasons
+from ember_runtime.prewarm.errors import ChecksumMismatch
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -57,35 +60,52 @@ def test_rolling_out() -> None:
     assert st["reason"] == "RollingOut" and st["ready"] == "1/3"
 
 
-def test_init_container_termination_message_degrades() -> None:
-    pod = {
-        "metadata": {"name": "p-1"},
-        "spec": {"nodeName": "n1"},
-        "status": {
+SHA_WANT, SHA_GOT = "ab12" * 16, "9f3c" * 16
+
+
+def _pod(status_: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"metadata": {"name": "p-1"}, "spec": spec or {"nodeName": "n1"}, "status": status_}
+
+
+def _degraded(summary: dict[str, Any]) -> dict[str, Any]:
+    st = status.compute_status(_obs(deployment=_dep(3, 2), pods=[summary]), {}, NOW)
+    return next(c for c in st["conditions"] if c["type"] == "Degraded")
+
+
+def test_prewarm_termination_message_degrades() -> None:
+    # The line the prewarm container really writes (its own writer), as the kubelet reports it.
+    message = ChecksumMismatch("gemma.gguf", SHA_WANT, SHA_GOT).termination_message()
+    pod = _pod(
+        {
             "phase": "Pending",
             "initContainerStatuses": [
                 {
                     "name": "prewarm",
                     "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                    "lastState": {
-                        "terminated": {
-                            "exitCode": 3,
-                            "message": "ChecksumMismatch: gemma.gguf has sha256 abc, want def",
-                        }
-                    },
+                    "lastState": {"terminated": {"exitCode": 1, "message": message + "\n"}},
                 }
             ],
-        },
-    }
+        }
+    )
     summary = status.pod_summary(pod)
     assert summary["failure"] == {
         "reason": "ChecksumMismatch",
-        "message": "gemma.gguf has sha256 abc, want def",
+        "message": "gemma.gguf expected ab12ab12ab12… got 9f3c9f3c9f3c…",
     }
-    st = status.compute_status(_obs(deployment=_dep(3, 2), pods=[summary]), {}, NOW)
-    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    degraded = _degraded(summary)
     assert (degraded["status"], degraded["reason"]) == ("True", "ChecksumMismatch")
-    assert "p-1" in degraded["message"] and st["reason"] == "ChecksumMismatch"
+    assert degraded["message"] == "pod p-1: gemma.gguf expected ab12ab12ab12… got 9f3c9f3c9f3c…"
+
+
+def test_every_node_side_reason_round_trips() -> None:
+    for name, reason in reasons.REASONS.items():
+        if reason.source in reasons.NODE_SIDE:
+            line = reasons.termination_message(name, "a\nb")
+            assert reasons.parse_termination_message(line) == (name, "a b")
+    # Free text (an older image, a crash's log tail) is no reason, nor is an operator reason.
+    assert reasons.parse_termination_message("checksum mismatch: a expected b") is None
+    assert reasons.parse_termination_message("ValueError: boom") is None
+    assert reasons.parse_termination_message("Unschedulable: x") is None
 
 
 def test_unprefixed_failure_and_crashloop() -> None:
@@ -103,9 +123,97 @@ def test_unprefixed_failure_and_crashloop() -> None:
             }
         ]
     }
-    failure = status.pod_failure(crash)
-    assert failure is not None and failure.reason == "ImagePullBackOff"
+    assert status.pod_failure(crash) == status.PodFailure("ImagePullBackOff", "runtime: nope")
     assert status.pod_failure({"phase": "Running"}) is None
+
+
+def test_every_waiting_reason_but_a_normal_start_degrades_with_the_kubelets_message() -> None:
+    def waiting(reason: str, message: str, init: bool = False) -> dict[str, Any]:
+        key = "initContainerStatuses" if init else "containerStatuses"
+        state = {"waiting": {"reason": reason, "message": message}}
+        return {key: [{"name": "prewarm" if init else "runtime", "state": state}]}
+
+    msg = 'secret "api-key" not found'
+    assert status.pod_failure(waiting("CreateContainerConfigError", msg)) == status.PodFailure(
+        "CreateContainerConfigError", f"runtime: {msg}"
+    )
+    # The image is pulled for the init container first: its failure must show too.
+    pull = 'Back-off pulling image "ember/runtime:typo"'
+    assert status.pod_failure(waiting("ImagePullBackOff", pull, init=True)) == status.PodFailure(
+        "ImagePullBackOff", f"prewarm: {pull}"
+    )
+    assert status.pod_failure(waiting("SomeFutureReason", "x")) == status.PodFailure(
+        "SomeFutureReason", "runtime: x"
+    )
+    for normal in ("ContainerCreating", "PodInitializing"):
+        assert status.pod_failure(waiting(normal, "")) is None
+        assert status.pod_failure(waiting(normal, "", init=True)) is None
+
+
+def test_oom_kill_names_the_memory_limit() -> None:
+    spec = {"containers": [{"name": "runtime", "resources": {"limits": {"memory": "512Mi"}}}]}
+    oom = {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}
+    crashing = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}}
+    pod = _pod(
+        {"containerStatuses": [{"name": "runtime", "state": crashing, "lastState": oom}]}, spec
+    )
+    failure = status.pod_summary(pod)["failure"]
+    assert failure == {
+        "reason": "OOMKilled",
+        "message": "runtime: killed at its memory limit 512Mi (exit code 137)",
+    }
+    # Restarted and serving again: an old OOM kill is history, not a degraded replica.
+    running = {"name": "runtime", "ready": True, "state": {"running": {}}, "lastState": oom}
+    assert status.pod_summary(_pod({"containerStatuses": [running]}, spec))["failure"] is None
+
+
+def test_runtime_refusal_reason_wins_over_crashloop() -> None:
+    line = reasons.termination_message(reasons.ENGINE_MEMORY_OVER_LIMIT, "memory: needs 814 MiB")
+    cstatus = {
+        "name": "runtime",
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}},
+        "lastState": {"terminated": {"exitCode": 2, "message": line}},
+    }
+    assert status.pod_failure({"containerStatuses": [cstatus]}) == status.PodFailure(
+        "EngineMemoryOverLimit", "memory: needs 814 MiB"
+    )
+
+
+def test_kubelet_event_degrades_a_pod_that_never_started() -> None:
+    message = 'MountVolume.SetUp failed for volume "model" : hostPath type check failed'
+    events = {"p-1": status.PodFailure("FailedMount", message)}
+    creating = {"containerStatuses": [{"name": "runtime", "state": {"waiting": {}}}]}
+    stuck = status.pod_summary(_pod({"phase": "Pending", **creating}))
+    assert stuck["started"] is False
+    (merged,) = status.with_kubelet_events([stuck], events)
+    degraded = _degraded(dict(merged))
+    assert (degraded["reason"], degraded["message"]) == ("FailedMount", f"pod p-1: {message}")
+    # Once a container ran, the mount worked: the Event (kept for an hour) is history.
+    running = {"containerStatuses": [{"name": "runtime", "state": {"running": {}}}]}
+    started = status.pod_summary(_pod({"phase": "Running", **running}))
+    assert status.with_kubelet_events([started], events) == [started]
+    # The pod's own failure says more than an Event about it.
+    pulling = {"name": "runtime", "state": {"waiting": {"reason": "ErrImagePull"}}}
+    own = status.pod_summary(_pod({"containerStatuses": [pulling]}))
+    (kept,) = status.with_kubelet_events([own], events)
+    assert kept["failure"]["reason"] == "ErrImagePull"
+
+
+def test_pod_events_store_keeps_the_specific_message() -> None:
+    store = PodEvents()
+    key = ("ns", "gemma")
+    specific = status.PodFailure("FailedMount", "MountVolume.SetUp failed: not a directory")
+    generic = status.PodFailure(
+        "FailedMount", "Unable to attach or mount volumes: unmounted volumes=[model]: timed out"
+    )
+    assert store.record(key, "gemma-1-a", specific, "2026-01-01T00:00:00") is True
+    assert store.record(key, "gemma-1-a", specific, "2026-01-01T00:00:09") is False  # repeat
+    assert store.record(key, "gemma-1-a", generic, "2026-01-01T00:02:00") is False
+    sandbox = status.PodFailure("FailedCreatePodSandBox", "cni: no IP")
+    assert store.record(key, "gemma-1-a", sandbox, "2025-12-31T23:59:00") is False  # older
+    assert store.of(key) == {"gemma-1-a": specific}
+    store.forget(key, "gemma-1-a")
+    assert store.of(key) == {}
 
 
 def test_problem_blocks_ready() -> None:

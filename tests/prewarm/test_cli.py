@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ember_runtime import reasons
 from ember_runtime.config import ModelFile
 from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256, MODEL_SIZE_BYTES
 from ember_runtime.prewarm.copy import PARTIAL_MARKER
@@ -89,8 +90,12 @@ def test_corrupted_byte_fails_with_reason(make_setup: MakeSetup) -> None:
 
     assert done.returncode == 1
     expected = s.config.files[0].sha256
-    assert s.termination_log.read_text() == (
-        f"checksum mismatch: model.gguf expected {expected[:12]}… got {got[:12]}…\n"
+    detail = f"model.gguf expected {expected[:12]}… got {got[:12]}…"
+    assert s.termination_log.read_text() == f"ChecksumMismatch: {detail}\n"
+    # What the operator reads back: the same vocabulary, the same format.
+    assert reasons.parse_termination_message(s.termination_log.read_text()) == (
+        reasons.CHECKSUM_MISMATCH,
+        detail,
     )
     assert not (s.target / "model.gguf").exists()
     assert not _partials(s.target)
@@ -106,7 +111,7 @@ def test_missing_file(make_setup: MakeSetup) -> None:
 
     assert done.returncode == 1
     assert s.termination_log.read_text() == (
-        "preflight failed: source files: missing file: shard-2.gguf\n"
+        "ModelFileMissing: source files: missing file: shard-2.gguf\n"
     )
     assert not s.target.exists()  # nothing was created, let alone copied
 
@@ -127,7 +132,7 @@ def test_too_small_target_fails_before_copying(make_setup: MakeSetup) -> None:
     assert done.returncode == 1
     reason = s.termination_log.read_text()
     assert reason.startswith(
-        "preflight failed: shm free space: free 2.1 MB (sizeLimit), need 4.2 MB"
+        "PreflightFailed: shm free space: free 2.1 MB (sizeLimit), need 4.2 MB"
     )
     assert not s.target.exists()
     assert "MB/s" not in done.stdout  # no copy started
@@ -143,7 +148,7 @@ def test_termination_log_flag_and_bad_config(tmp_path: Path) -> None:
     done = run_cli("prewarm", "--config", config, "--termination-log", log)
 
     assert done.returncode == 1
-    assert log.read_text().startswith("config error: files.0.sha256: String should match pattern")
+    assert log.read_text().startswith("ConfigInvalid: files.0.sha256: String should match pattern")
 
 
 def test_unsafe_path_is_rejected(make_setup: MakeSetup) -> None:
@@ -239,7 +244,7 @@ def test_sigterm_mid_copy_leaves_no_half_file(make_setup: MakeSetup) -> None:
     rc = proc.wait(timeout=60)
 
     assert rc == 128 + signal.SIGTERM
-    assert s.termination_log.read_text() == "prewarm interrupted by SIGTERM\n"
+    assert s.termination_log.read_text() == "PrewarmInterrupted: prewarm interrupted by SIGTERM\n"
     assert not (s.target / "big.gguf").exists()
     assert not _partials(s.target)
     assert not (s.target / MANIFEST_NAME).exists()

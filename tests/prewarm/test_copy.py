@@ -75,7 +75,7 @@ def test_one_failure_stops_the_siblings(make_setup: MakeSetup) -> None:
     bad = s.config.files[2].model_copy(update={"sha256": "f" * 64})
     s.target.mkdir(parents=True)
 
-    with pytest.raises(ChecksumMismatch, match=r"^checksum mismatch: c.bin expected ffffffffffff…"):
+    with pytest.raises(ChecksumMismatch, match=r"^c.bin expected ffffffffffff…"):
         copy_all(
             s.model_dir,
             s.target,
@@ -95,7 +95,7 @@ def test_source_longer_or_shorter_than_config(make_setup: MakeSetup) -> None:
     spec = s.config.files[0]
     progress = Progress(10, io.StringIO())
     longer = spec.model_copy(update={"size_bytes": 4})
-    with pytest.raises(SizeMismatch, match=r"size mismatch: m\.bin expected 4 bytes got 10"):
+    with pytest.raises(SizeMismatch, match=r"^m\.bin expected 4 bytes got 10"):
         copy_verified(
             s.model_dir,
             s.target,

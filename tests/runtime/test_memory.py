@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ember_runtime import memory
+from ember_runtime import memory, reasons
 from ember_runtime.config import RuntimeConfig
 
 MIB = 2**20
@@ -92,7 +92,9 @@ def test_runtime_refuses_to_start_under_a_small_limit(model_path: Path, tmp_path
         check=False,
     )
     assert done.returncode == 2, done.stderr
-    reason = log.read_text()
-    assert reason.startswith("memory: needs ") and "\n" not in reason
-    assert "container limit is 256 MiB" in reason
+    parsed = reasons.parse_termination_message(log.read_text())
+    assert parsed is not None and "\n" not in log.read_text().rstrip("\n")
+    reason, detail = parsed
+    assert reason == reasons.ENGINE_MEMORY_OVER_LIMIT and detail.startswith("memory: needs ")
+    assert "container limit is 256 MiB" in detail
     assert "llama.cpp engine ready" not in done.stderr  # refused before loading the model

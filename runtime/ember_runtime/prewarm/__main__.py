@@ -2,7 +2,8 @@
 
 prewarm   preflight → copy+hash every file into the target → verify → rename → manifest.
           Exit 0 when the target holds the verified model (copied now or reused); otherwise
-          one line to the termination log (the operator shows it in the status) and exit 1,
+          one `Reason: detail` line to the termination log (`ember_runtime.reasons`; the
+          operator shows it as the Degraded reason) and exit 1,
           or 143 after SIGTERM.
 diagnose  the same checks as a ✅/⚠️/❌ table (or `--json`); exit 1 when any check fails.
 """
@@ -20,6 +21,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
+from ember_runtime import reasons
 from ember_runtime.config import CONFIG_ENV, RuntimeConfig, load_config
 from ember_runtime.prewarm.checks import (
     DEFAULT_MARGIN_BYTES,
@@ -129,18 +131,18 @@ def _config_error(err: Exception) -> str:
     if isinstance(err, ValidationError):
         first = err.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
-        return f"config error: {where}: {first['msg']}"
+        return f"{where}: {first['msg']}"
     if isinstance(err, OSError):
-        return f"config error: {err.filename}: {err.strerror}"
-    return f"config error: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        return f"{err.filename}: {err.strerror}"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
-def write_termination_log(path: Path, reason: str, err: TextIO = sys.stderr) -> None:
-    """One line for the pod status; stderr always gets it too, in case the file is unwritable."""
-    line = " ".join(reason.split())  # the status shows one line: fold any newline away
-    print(f"prewarm failed: {line}", file=err)
+def write_termination_log(path: Path, reason: str, detail: str, err: TextIO = sys.stderr) -> None:
+    """One `Reason: detail` line for the pod status (`ember_runtime.reasons`, which the
+    operator parses); stderr always gets it too, in case the file is unwritable."""
+    print(f"prewarm failed: {reasons.termination_message(reason, detail)}", file=err)
     try:
-        path.write_text(line + "\n")
+        reasons.write_termination_message(path, reason, detail)
     except OSError as e:
         print(f"cannot write termination log {path}: {e.strerror}", file=err)
 
@@ -161,19 +163,17 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
         config = _config(args)
         log = Path(config.termination_log)
     except (OSError, ValueError, ValidationError) as err:
-        write_termination_log(log, _config_error(err))
+        write_termination_log(log, reasons.CONFIG_INVALID, _config_error(err))
         return EXIT_FAILED
     options = CopyOptions(buffer_bytes=args.buffer_mib << 20, parallel=args.parallel)
     try:
         prewarm(_preflight(args, config), options, sys.stdout, stop, args.progress_interval)
-    except Interrupted as err:
-        write_termination_log(log, str(err))
-        return EXIT_SIGTERM
     except PrewarmError as err:
-        write_termination_log(log, str(err))
-        return EXIT_FAILED
+        write_termination_log(log, err.reason, str(err))
+        return EXIT_SIGTERM if isinstance(err, Interrupted) else EXIT_FAILED
     except OSError as err:
-        write_termination_log(log, f"I/O error: {err.filename or ''}: {err.strerror}")
+        detail = f"{err.filename or ''}: {err.strerror}"
+        write_termination_log(log, reasons.MODEL_READ_ERROR, detail)
         return EXIT_FAILED
     return 0
 
@@ -182,7 +182,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
     except (OSError, ValueError, ValidationError) as err:
-        print(_config_error(err), file=sys.stderr)
+        print(f"config error: {_config_error(err)}", file=sys.stderr)
         return EXIT_FAILED
     results = run_checks(_preflight(args, config))
     if args.json:

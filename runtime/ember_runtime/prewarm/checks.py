@@ -19,6 +19,7 @@ from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
+from ember_runtime import reasons
 from ember_runtime.config import RuntimeConfig
 from ember_runtime.prewarm.copy import PARTIAL_MARKER
 from ember_runtime.prewarm.manifest import manifest_matches
@@ -41,6 +42,7 @@ class CheckResult:
     status: Status
     value: str
     detail: str = ""
+    reason: str = reasons.PREFLIGHT_FAILED  # the Degraded reason when this check fails
 
 
 @dataclass(frozen=True)
@@ -165,13 +167,18 @@ def check_source_files(pf: Preflight) -> CheckResult:
         try:
             size = (root / f.path).stat().st_size
         except FileNotFoundError:
-            return CheckResult(name, Status.FAIL, f"missing file: {f.path}", f"under {root}")
+            return CheckResult(
+                name,
+                Status.FAIL,
+                f"missing file: {f.path}",
+                f"under {root}",
+                reasons.MODEL_FILE_MISSING,
+            )
         except OSError as err:
             return CheckResult(name, Status.FAIL, f"cannot stat {f.path}: {err.strerror}")
         if size != f.size_bytes:
-            return CheckResult(
-                name, Status.FAIL, f"size mismatch: {f.path} expected {f.size_bytes} got {size}"
-            )
+            value = f"size mismatch: {f.path} expected {f.size_bytes} got {size}"
+            return CheckResult(name, Status.FAIL, value, reason=reasons.SIZE_MISMATCH)
     total = pf.config.total_bytes()
     return CheckResult(name, Status.OK, f"{len(pf.config.files)} files, {_mb(total)}")
 

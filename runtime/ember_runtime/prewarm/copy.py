@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ember_runtime import reasons
 from ember_runtime.config import ModelFile
 from ember_runtime.prewarm.errors import ChecksumMismatch, Interrupted, PrewarmError, SizeMismatch
 from ember_runtime.prewarm.manifest import ManifestEntry, fsync_dir
@@ -145,7 +146,9 @@ def _copy_checked(
         copied = _stream(src_fd, dst_fd, spec, hasher=hasher, progress=progress, stop=stop)
     except OSError as err:
         if err.errno == errno.ENOSPC:
-            raise PrewarmError(f"no space left on target while writing {spec.path}") from err
+            raise PrewarmError(
+                f"no space left on target while writing {spec.path}", reasons.SHARED_MEMORY_FULL
+            ) from err
         raise
     finally:
         digest = hasher.finish()
@@ -171,7 +174,9 @@ def copy_verified(
     try:
         src_fd = os.open(source_dir / spec.path, os.O_RDONLY)
     except FileNotFoundError as err:
-        raise PrewarmError(f"missing file: {spec.path} (not found under {source_dir})") from err
+        raise PrewarmError(
+            f"missing file: {spec.path} (not found under {source_dir})", reasons.MODEL_FILE_MISSING
+        ) from err
     try:
         mtime_ns = os.fstat(src_fd).st_mtime_ns
         os.posix_fadvise(src_fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)

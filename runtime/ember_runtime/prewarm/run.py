@@ -40,7 +40,7 @@ def prewarm(
         _say(out, f"preflight {ICONS[r.status]} {r.name}: {r.value}")
     if failed := failures(results):
         # Nothing has been copied or deleted yet: the node is as we found it.
-        raise PrewarmError(f"preflight failed: {failed[0].name}: {failed[0].value}")
+        raise PrewarmError(f"{failed[0].name}: {failed[0].value}", failed[0].reason)
     if pf.reusable():
         manifest = read_manifest(target)
         if manifest is not None:  # it could vanish between the two reads; then copy again

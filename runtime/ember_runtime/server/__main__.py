@@ -2,7 +2,8 @@
 
 Before loading the model the runtime checks that the engine's memory (`ember_runtime.memory`,
 the same rule the operator sizes the pod with) fits under the container's cgroup limit, and
-exits 2 with a one-line reason in the termination log when it does not.
+exits 2 with a one-line `Reason: detail` (`ember_runtime.reasons`) in the termination log when
+it does not.
 
 SIGTERM (the kubelet's stop signal) stops accepting connections, lets in-flight streams finish
 (bounded by the request timeout), then stops the engine and exits 0.
@@ -21,6 +22,7 @@ from types import FrameType
 
 import uvicorn
 
+from ember_runtime import reasons
 from ember_runtime.engines.base import EngineUnavailableError
 from ember_runtime.memory import MemoryLimitError, preflight
 from ember_runtime.server.app import create_app
@@ -56,10 +58,10 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _write_termination_log(path: str, message: str) -> None:
+def _write_termination_log(path: str, reason: str, detail: str) -> None:
     # Outside Kubernetes there is no termination log; stderr has the message anyway.
     with contextlib.suppress(OSError):
-        Path(path).write_text(message[:4096])
+        reasons.write_termination_message(path, reason, detail)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(config, model_path=model, config_path=settings.config_path)
     except (OSError, ValueError, EngineUnavailableError, MemoryLimitError) as exc:
         log.error("cannot start: %s", exc)
-        _write_termination_log(config.termination_log, str(exc))
+        reason = (
+            reasons.ENGINE_MEMORY_OVER_LIMIT
+            if isinstance(exc, MemoryLimitError)
+            else reasons.RUNTIME_START_FAILED
+        )
+        _write_termination_log(config.termination_log, reason, str(exc))
         return 2
     uv_config = uvicorn.Config(
         app,
@@ -93,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     server = _DrainingServer(uv_config, app.state.ember)
     server.run()
     if not server.started:
-        _write_termination_log(config.termination_log, "the runtime failed to start")
+        _write_termination_log(
+            config.termination_log, reasons.RUNTIME_START_FAILED, "the server did not start"
+        )
         return 1
     return 0
 

@@ -1,0 +1,339 @@
+"""Every reason a user can see on an InferenceDeployment, in one place.
+
+Prewarm and the runtime write a reason into their container's termination message; the operator
+reads it back (`parse_termination_message`) and makes it the `Degraded` reason, beside its own
+reasons and the kubelet's. The message format is defined here once, writer and parser side by
+side, so the two ends cannot drift apart again (prewarm once wrote `checksum mismatch: …` while
+the operator looked for `ChecksumMismatch: …`).
+
+The README's troubleshooting table is generated from `REASONS` (`python -m ember_runtime.reasons
+README.md` rewrites it; a test fails when it is stale).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ember_runtime import config
+
+# Who reports a reason. Node-side reasons are the only ones a termination message may carry.
+PREWARM, RUNTIME, OPERATOR, KUBELET, SCHEDULER = (
+    "prewarm",
+    "runtime",
+    "operator",
+    "kubelet",
+    "scheduler",
+)
+NODE_SIDE = frozenset({PREWARM, RUNTIME})
+# The kubelet caps a termination message at 4096 bytes; keep the whole line within it.
+MAX_TERMINATION_MESSAGE = 4096
+
+
+@dataclass(frozen=True)
+class Reason:
+    name: str
+    source: str
+    condition: str  # where it shows: Degraded (and STATUS), Ready, Progressing, Throttled…
+    action: str  # what the user should do about it
+
+
+REASONS: dict[str, Reason] = {}
+
+
+def _define(name: str, source: str, action: str, condition: str = "Degraded") -> str:
+    if name in REASONS:
+        raise ValueError(f"reason {name} defined twice")
+    REASONS[name] = Reason(name, source, condition, action)
+    return name
+
+
+# --- prewarm (init container) ---------------------------------------------------------------
+CHECKSUM_MISMATCH = _define(
+    "ChecksumMismatch",
+    PREWARM,
+    "A model file's sha256 differs from `spec.model.files` (message: expected/got). The file on "
+    "the node is corrupt or another version: replace it, or correct the sha256.",
+)
+SIZE_MISMATCH = _define(
+    "SizeMismatch",
+    PREWARM,
+    "A model file's size differs from `sizeBytes`: an incomplete copy or another version. "
+    "Replace the file or correct the spec.",
+)
+MODEL_FILE_MISSING = _define(
+    "ModelFileMissing",
+    PREWARM,
+    "A file listed in `spec.model.files` is not in the model directory on the node. Copy it "
+    "there (check `path` against the source's layout).",
+)
+SHARED_MEMORY_FULL = _define(
+    "SharedMemoryFull",
+    PREWARM,
+    "The memory-backed prewarm volume filled up while copying. Raise "
+    "`prewarm.sharedMemoryLimit` (and the memory limit with it).",
+)
+PREFLIGHT_FAILED = _define(
+    "PreflightFailed",
+    PREWARM,
+    "A node check failed before anything was copied (message: which). Run "
+    "`python -m ember_runtime.prewarm diagnose` on the node for the whole table.",
+)
+MODEL_READ_ERROR = _define(
+    "ModelReadError",
+    PREWARM,
+    "Reading a model file or writing its copy failed (message: the file and the OS error). "
+    "Check the disk and the files' permissions for uid 65532.",
+)
+CONFIG_INVALID = _define(
+    "ConfigInvalid",
+    PREWARM,
+    "Prewarm could not read its ConfigMap: the runtime image and the operator are different "
+    "versions. Use the image that matches the operator.",
+)
+PREWARM_INTERRUPTED = _define(
+    "PrewarmInterrupted",
+    PREWARM,
+    "Prewarm was stopped by SIGTERM (pod deleted or evicted while copying). Nothing to do "
+    "unless it repeats; the next pod copies again.",
+)
+PREWARM_FAILED = _define(
+    "PrewarmFailed",
+    PREWARM,
+    "Prewarm exited without a known reason (message: its last output). Read "
+    "`kubectl logs <pod> -c prewarm`.",
+)
+# --- runtime (serving container) ------------------------------------------------------------
+ENGINE_MEMORY_OVER_LIMIT = _define(
+    "EngineMemoryOverLimit",
+    RUNTIME,
+    "The engine's memory (KV cache, buffers, weights) would exceed the container's limit, so "
+    "the runtime refused to start. Lower `engine.maxBatchSize` or `engine.contextLength`, or "
+    "raise `resources.limits.memory`.",
+)
+RUNTIME_START_FAILED = _define(
+    "RuntimeStartFailed",
+    RUNTIME,
+    "The runtime could not load the model or start serving (message: why). Read "
+    "`kubectl logs <pod> -c runtime`.",
+)
+# --- operator: specs that pass the schema but cannot be served --------------------------------
+SHARED_MEMORY_TOO_SMALL = _define(
+    "SharedMemoryTooSmall",
+    OPERATOR,
+    "`prewarm.sharedMemoryLimit` is smaller than the model files. Raise it or disable prewarm.",
+)
+MEMORY_LIMIT_TOO_SMALL = _define(
+    "MemoryLimitTooSmall",
+    OPERATOR,
+    "`resources.limits.memory` cannot hold the prewarm volume. Raise it.",
+)
+INVALID_SPEC = _define(
+    "InvalidSpec",
+    OPERATOR,
+    "The stored spec does not parse (a CRD older than the operator). Apply the CRDs from "
+    "`crds/` with `kubectl apply --server-side`.",
+)
+APPLY_REJECTED = _define(
+    "ApplyRejected",
+    OPERATOR,
+    "The API server refused a child object (message: its answer), e.g. a quota or an admission "
+    "policy. Fix what the message names.",
+)
+# --- scheduler and kubelet: the pod's own state, with the kubelet's message -------------------
+UNSCHEDULABLE = _define(
+    "Unschedulable",
+    SCHEDULER,
+    "No node can take the replica (message: the scheduler's, e.g. `Insufficient cpu`). Free "
+    "the resource, add a node, or relax `placement`.",
+)
+OOM_KILLED = _define(
+    "OOMKilled",
+    KUBELET,
+    "A container was killed for exceeding its memory limit (message: the limit). Raise "
+    "`resources.limits.memory` or lower `engine.maxBatchSize`/`contextLength`.",
+)
+CRASH_LOOP_BACK_OFF = _define(
+    "CrashLoopBackOff",
+    KUBELET,
+    "A container keeps exiting (message: its last termination message). Read "
+    "`kubectl logs <pod> -c <container> --previous`.",
+)
+IMAGE_PULL_BACK_OFF = _define(
+    "ImagePullBackOff",
+    KUBELET,
+    "The image cannot be pulled (message: the kubelet's). Check `spec.image`, the registry and "
+    "pull secrets.",
+)
+ERR_IMAGE_PULL = _define(
+    "ErrImagePull", KUBELET, "The first pull of the image failed; see ImagePullBackOff."
+)
+ERR_IMAGE_NEVER_PULL = _define(
+    "ErrImageNeverPull",
+    KUBELET,
+    "The pull policy is `Never` and the image is not on the node. Load it onto the node.",
+)
+INVALID_IMAGE_NAME = _define(
+    "InvalidImageName", KUBELET, "`spec.image` is not a valid image reference. Fix it."
+)
+CREATE_CONTAINER_CONFIG_ERROR = _define(
+    "CreateContainerConfigError",
+    KUBELET,
+    "The kubelet cannot build the container's configuration, e.g. a missing Secret for "
+    "`server.apiKeySecretRef`. Create what the message names.",
+)
+CREATE_CONTAINER_ERROR = _define(
+    "CreateContainerError",
+    KUBELET,
+    "The container runtime failed to create the container (message: why).",
+)
+RUN_CONTAINER_ERROR = _define(
+    "RunContainerError",
+    KUBELET,
+    "The container runtime failed to start the container (message: why), e.g. a missing "
+    "device node for an accelerator.",
+)
+FAILED_MOUNT = _define(
+    "FailedMount",
+    KUBELET,
+    "A volume cannot be mounted, e.g. a `hostPath` model directory that does not exist on the "
+    "node (message: the kubelet's). Create the directory or fix `model.source`.",
+)
+FAILED_ATTACH_VOLUME = _define(
+    "FailedAttachVolume",
+    KUBELET,
+    "The model's PVC cannot be attached to the node (message: the storage driver's).",
+)
+FAILED_MAP_VOLUME = _define(
+    "FailedMapVolume", KUBELET, "A block volume cannot be mapped (message: why)."
+)
+FAILED_CREATE_POD_SANDBOX = _define(
+    "FailedCreatePodSandBox",
+    KUBELET,
+    "The node cannot start the pod's sandbox, usually its network (CNI) plugin. Check the "
+    "node's container runtime and CNI.",
+)
+# Kubelet warning Events (not container states) that leave a pod stuck before any container
+# starts; the operator watches only these (`involvedObject.kind=Pod`, `type=Warning`).
+POD_EVENT_REASONS = frozenset(
+    {FAILED_MOUNT, FAILED_ATTACH_VOLUME, FAILED_MAP_VOLUME, FAILED_CREATE_POD_SANDBOX}
+)
+# --- conditions that are not failures ---------------------------------------------------------
+AS_EXPECTED = _define("AsExpected", OPERATOR, "Nothing is wrong.")
+ALL_REPLICAS_READY = _define("AllReplicasReady", OPERATOR, "Serving.", condition="Ready")
+SCALED_TO_ZERO = _define("ScaledToZero", OPERATOR, "`replicas` is 0.", condition="Ready")
+REPLICAS_NOT_READY = _define(
+    "ReplicasNotReady",
+    OPERATOR,
+    "Replicas are starting (prewarm, model load). If it lasts, `Degraded` says why.",
+    condition="Ready",
+)
+ROLLING_OUT = _define("RollingOut", OPERATOR, "A rollout is in progress.", condition="Progressing")
+ROLLOUT_COMPLETE = _define(
+    "RolloutComplete", OPERATOR, "All replicas run the current spec.", condition="Progressing"
+)
+THERMAL_THROTTLING = _define(
+    "ThermalThrottling",
+    OPERATOR,
+    "Hot replicas run a smaller batch (message: which, at what temperature). Cool the device "
+    "or accept the lower throughput.",
+    condition="Throttled",
+)
+FULL_BATCH = _define(
+    "FullBatch", OPERATOR, "Every replica runs at its full batch.", condition="Throttled"
+)
+THERMAL_POLICY_OFF = _define(
+    "ThermalPolicyOff", OPERATOR, "`thermal.policy` is off.", condition="Throttled"
+)
+# The runtime's and node agent's own ember.dev/Thermal condition (names live in config.py).
+_THERMAL = config.THERMAL_CONDITION
+_define(config.REASON_NORMAL, RUNTIME, "Below the throttle temperature.", condition=_THERMAL)
+_define(
+    config.REASON_THROTTLED,
+    RUNTIME,
+    "Above `thermal.throttleCelsius`: the batch is lowered.",
+    condition=_THERMAL,
+)
+_define(
+    config.REASON_CRITICAL,
+    RUNTIME,
+    "At or above `thermal.criticalCelsius`; held for `criticalForSeconds`, the node is tainted "
+    "and its replicas move.",
+    condition=_THERMAL,
+)
+_define(
+    config.REASON_NO_READING,
+    RUNTIME,
+    "No temperature sensor found: full batch. Check `operator.sensorsSysfsRoot`.",
+    condition=_THERMAL,
+)
+_define(config.REASON_POLICY_OFF, RUNTIME, "`thermal.policy` is off.", condition=_THERMAL)
+_define(
+    config.REASON_SENSOR_UNAVAILABLE,
+    RUNTIME,
+    "A configured sensor cannot start or read (message: which and why, e.g. NVML without a "
+    "driver): full batch, no temperature. Also shown on the object's Throttled condition. Fix "
+    "the driver or `npu-smi`; the runtime retries by itself.",
+    condition=_THERMAL,
+)
+
+
+# --- the termination message: writer and parser ----------------------------------------------
+def termination_message(reason: str, detail: str) -> str:
+    """`Reason: detail` on one line: what prewarm and the runtime write to the termination log."""
+    if REASONS.get(reason) is None or REASONS[reason].source not in NODE_SIDE:
+        raise ValueError(f"{reason!r} is not a node-side reason")
+    line = f"{reason}: {' '.join(detail.split())}"  # the status shows one line
+    return line.encode()[:MAX_TERMINATION_MESSAGE].decode(errors="ignore")
+
+
+def parse_termination_message(text: str) -> tuple[str, str] | None:
+    """(reason, detail) of a message `termination_message` wrote; None for anything else (a
+    crash's log tail, an older image's free text)."""
+    reason, sep, detail = text.strip().partition(": ")
+    known = REASONS.get(reason)
+    if not sep or known is None or known.source not in NODE_SIDE:
+        return None
+    return reason, detail.strip()
+
+
+def write_termination_message(path: str | Path, reason: str, detail: str) -> str:
+    """Write the line to the container's termination log; returns it. Raises OSError."""
+    line = termination_message(reason, detail)
+    Path(path).write_text(line + "\n")
+    return line
+
+
+# --- the README's troubleshooting table -------------------------------------------------------
+BEGIN, END = "<!-- reasons:begin -->", "<!-- reasons:end -->"
+
+
+def markdown_table() -> str:
+    rows = ["| reason | from | shows in | what to do |", "|---|---|---|---|"]
+    for r in REASONS.values():
+        rows.append(f"| `{r.name}` | {r.source} | {r.condition} | {r.action} |")
+    return "\n".join(rows)
+
+
+def with_table(readme: str) -> str:
+    """`readme` with the text between the markers replaced by `markdown_table()`."""
+    head, begin, rest = readme.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise ValueError(f"README has no {BEGIN} … {END} block")
+    return f"{head}{BEGIN}\n{markdown_table()}\n{END}{tail}"
+
+
+def main(argv: list[str]) -> int:
+    """`python -m ember_runtime.reasons README.md`: rewrite the table in place."""
+    for name in argv:
+        path = Path(name)
+        path.write_text(with_table(path.read_text()))
+    if not argv:
+        print(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
