@@ -355,7 +355,7 @@ def _window(ctx: Context, indexes: Mapping[str, Any], key: tuple[str, str]) -> f
 
 
 @kopf.on.event("v1", "pods", labels=CHILD_LABELS)
-def pod_event(**kwargs: Any) -> None:
+async def pod_event(**kwargs: Any) -> None:
     """A replica changed (readiness, its thermal condition, deletion): refresh the owner's
     status and tell the hot-node queue where the critical replicas are."""
     key = key_of(kwargs.get("namespace"), kwargs.get("labels") or {})
@@ -380,48 +380,67 @@ def pod_event(**kwargs: Any) -> None:
 # ----------------------------------------------------------------------------- children
 
 
-def _on_child_event(kind: str, kwargs: Mapping[str, Any]) -> None:
+def _unchanged(ctx: Context, key: tuple[str, str], kind: str, live: Mapping[str, Any]) -> bool:
+    """The child as we wrote or last checked it (or only its status moved): nothing to repair.
+    Cheap, so it runs on the event loop; only the rest goes to a thread."""
+    owner = first(ctx.indexes.get("infd_index"), key)
+    if owner is None or owner["metadata"].get("deletionTimestamp"):
+        return True  # the owner is going away: garbage collection deletes its children
+    try:
+        child = planned(ctx, owner).children.get(kind)
+    except ValidationError:
+        return True  # the owner's own reconcile reports InvalidSpec
+    if child is None:
+        return False  # unwanted (a PDB after scaling to one): to be deleted
+    return ctx.applier.verified((kind, key[0], child.name), child.digest, live)
+
+
+async def _on_child_event(kind: str, kwargs: Mapping[str, Any]) -> None:
     """Drift repair, from the child's own watch: a deleted child is re-created, a hand-edited
     one re-applied, an unwanted one (a PDB after scaling to one) deleted. Rollout progress and
-    readiness counts live in the Deployment's status, so its events also refresh the owner's."""
+    readiness counts live in the Deployment's status, so its events also refresh the owner's.
+    Async: most events (status updates, our own writes coming back) need no thread at all."""
     key = key_of(kwargs.get("namespace"), kwargs.get("labels") or {})
     if key is None:
         return
     ctx: Context = kwargs["memo"].ctx
+    _remember_indexes(ctx, kwargs)
     gone = kwargs["event"].get("type") == "DELETED"
+    if kind == "Deployment" and not gone:
+        ctx.refreshes.mark(key)
+    if not gone and _unchanged(ctx, key, kind, kwargs["body"]):
+        return
+    body = None if gone else dict(kwargs["body"])
     try:
-        done = correct_child(ctx, key, kind, None if gone else kwargs["body"], kwargs)
+        done = await asyncio.to_thread(correct_child, ctx, key, kind, body, ctx.indexes)
     except ApiException as exc:  # the owner's next event, or its retry, applies it
-        kwargs["logger"].warning("could not correct %s of %s/%s: %s", kind, *key, exc.reason)
+        log.warning("could not correct %s of %s/%s: %s", kind, *key, exc.reason)
         ctx.requeue.later(key, 0)
         done = None
     except ValidationError:
         done = None  # the owner's own reconcile reports InvalidSpec
     if done:
-        kwargs["logger"].info("%s %s of %s/%s", done, kind, *key)
-    if kind == "Deployment" and not gone:
-        _remember_indexes(ctx, kwargs)
-        ctx.refreshes.mark(key)
+        log.info("%s %s of %s/%s", done, kind, *key)
 
 
 @kopf.on.event("v1", "configmaps", labels=CHILD_LABELS)
-def configmap_event(**kwargs: Any) -> None:
-    _on_child_event("ConfigMap", kwargs)
+async def configmap_event(**kwargs: Any) -> None:
+    await _on_child_event("ConfigMap", kwargs)
 
 
 @kopf.on.event("v1", "services", labels=CHILD_LABELS)
-def service_event(**kwargs: Any) -> None:
-    _on_child_event("Service", kwargs)
+async def service_event(**kwargs: Any) -> None:
+    await _on_child_event("Service", kwargs)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
-def deployment_event(**kwargs: Any) -> None:
-    _on_child_event("Deployment", kwargs)
+async def deployment_event(**kwargs: Any) -> None:
+    await _on_child_event("Deployment", kwargs)
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
-def pdb_event(**kwargs: Any) -> None:
-    _on_child_event("PodDisruptionBudget", kwargs)
+async def pdb_event(**kwargs: Any) -> None:
+    await _on_child_event("PodDisruptionBudget", kwargs)
 
 
 # Last: it registers the kubelet-Event handlers and uses `refresh` above.

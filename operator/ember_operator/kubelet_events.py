@@ -87,8 +87,9 @@ def kubelet_event(**kwargs: Any) -> None:
 
 
 @kopf.on.event("v1", "pods", labels=CHILD_LABELS)
-def drop_started_pods(**kwargs: Any) -> None:
-    """A pod that runs a container (or is gone) is past whatever the kubelet warned about."""
+async def drop_started_pods(**kwargs: Any) -> None:
+    """A pod that runs a container (or is gone) is past whatever the kubelet warned about.
+    In-memory only, so on the event loop: no thread hop for every pod event."""
     key = key_of(kwargs.get("namespace"), kwargs.get("labels") or {})
     if key is None:
         return
