@@ -12,18 +12,22 @@ the base of the next diff, so a burst of pod events yields one write per real ch
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import kopf
+from kubernetes import client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ember_operator import metrics, render, status
-from ember_operator.api import GROUP, PLURAL, VERSION
+from ember_operator.api import GROUP, KIND, PLURAL, VERSION
 from ember_operator.apply import request
+from ember_operator.thermal.actions import ObjectRef, record_event
+
+log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
 
@@ -125,7 +129,7 @@ class StatusWriter:
         conds = {c["type"]: c for c in new["conditions"]}
         metrics.record_conditions(key, {t: c["status"] for t, c in conds.items()})
         if announce:
-            _announce_degraded(body, conds[status.DEGRADED], old.get("conditions") or [])
+            _announce_degraded(self._api, body, conds[status.DEGRADED], old.get("conditions") or [])
         return bool(changed)
 
     def _patch(self, key: Key, changed: Mapping[str, Any]) -> None:
@@ -156,12 +160,28 @@ class StatusWriter:
 
 
 def _announce_degraded(
-    body: Mapping[str, Any], degraded: Mapping[str, Any], old: list[Mapping[str, Any]]
+    api: ApiClient,
+    body: Mapping[str, Any],
+    degraded: Mapping[str, Any],
+    old: list[Mapping[str, Any]],
 ) -> None:
-    """One Warning Event per new Degraded reason, not one per refresh."""
+    """One Warning Event per new Degraded reason, not one per refresh. Posted with our own client,
+    not `kopf.warn`: status is written from Kopf's handlers and from the operator's own delayed
+    work (coalesced refreshes, retries), where Kopf's event-posting context does not exist."""
     if degraded["status"] != "True":
         return
     before = next((c for c in old if c.get("type") == status.DEGRADED), {})
     if before.get("status") == "True" and before.get("reason") == degraded["reason"]:
         return
-    kopf.warn(body, reason=degraded["reason"], message=degraded["message"])  # type: ignore[arg-type]
+    meta = body["metadata"]
+    ref = ObjectRef(f"{GROUP}/{VERSION}", KIND, meta["name"], meta["namespace"], meta["uid"])
+    try:
+        record_event(client.CoreV1Api(api), ref, degraded["reason"], degraded["message"], "Warning")
+    except ApiException as exc:  # the condition is written; the Event is the courtesy copy
+        log.warning(
+            "event %s for %s/%s not posted: %s",
+            degraded["reason"],
+            ref.namespace,
+            ref.name,
+            exc.reason,
+        )
