@@ -62,6 +62,8 @@ INDEXES = (
 )
 # API errors that need a human (quota, policy, a malformed child): reported, retried slowly.
 PERMANENT_STATUSES = frozenset({400, 403, 422})
+# The API server's 403 for writes into a namespace that is being deleted: nothing to report.
+TERMINATING = "because it is being terminated"
 
 
 class QuietSuccess(logging.Filter):
@@ -298,6 +300,10 @@ def reconcile(
         result = _sync(ctx, body, indexes)
         ctx.requeue.clear(key)
     except ApiException as exc:
+        if exc.status == 403 and TERMINATING in (exc.body or ""):
+            ctx.requeue.clear(key)  # its namespace is being deleted, the object with it
+            result = "gone"
+            return
         delay = ctx.requeue.later(key, attempt)
         if exc.status in PERMANENT_STATUSES:  # e.g. a quota or a policy: a human must act
             detail = f"the API server refused a child: {exc.reason}: {(exc.body or '')[:400]}"
