@@ -228,6 +228,16 @@ class Applier:
         return True
 
 
+# The API server's 403 for a create in a namespace that is being deleted (NamespaceLifecycle
+# admission): the object goes with its namespace, so there is nothing to report or retry.
+TERMINATING = "because it is being terminated"
+
+
+def namespace_terminating(exc: ApiException) -> bool:
+    """True for a write refused only because its namespace is being deleted."""
+    return exc.status == 403 and TERMINATING in (exc.body or "")
+
+
 def request(
     api: ApiClient,
     method: str,

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from ember_operator import metrics, render, status
 from ember_operator.api import GROUP, PLURAL, VERSION
-from ember_operator.apply import DIGEST_ANNOTATION, Applier, api_client
+from ember_operator.apply import DIGEST_ANNOTATION, Applier, api_client, namespace_terminating
 from ember_operator.reconcile import (
     CHILD_LABELS,
     Context,
@@ -62,8 +62,6 @@ INDEXES = (
 )
 # API errors that need a human (quota, policy, a malformed child): reported, retried slowly.
 PERMANENT_STATUSES = frozenset({400, 403, 422})
-# The API server's 403 for writes into a namespace that is being deleted: nothing to report.
-TERMINATING = "because it is being terminated"
 
 
 class QuietSuccess(logging.Filter):
@@ -300,7 +298,7 @@ def reconcile(
         result = _sync(ctx, body, indexes)
         ctx.requeue.clear(key)
     except ApiException as exc:
-        if exc.status == 403 and TERMINATING in (exc.body or ""):
+        if namespace_terminating(exc):
             ctx.requeue.clear(key)  # its namespace is being deleted, the object with it
             result = "gone"
             return
@@ -310,7 +308,14 @@ def reconcile(
             problem = render.Problem("ApplyRejected", detail)
             ctx.writer.write(body, Observation(deployment=None, pods=[], problems=[problem]))
             result = "rejected"
-        log.warning("%s/%s: API error %s %s, retry in %.0fs", *key, exc.status, exc.reason, delay)
+        log.warning(
+            "%s/%s: API error %s %s, retry in %.0fs: %s",
+            *key,
+            exc.status,
+            exc.reason,
+            delay,
+            (exc.body or "")[:300],
+        )
     finally:
         metrics.RECONCILES.labels(trigger=trigger, result=result).inc()
         metrics.RECONCILE_SECONDS.labels(trigger=trigger).observe(time.monotonic() - started)
@@ -420,6 +425,8 @@ async def _on_child_event(kind: str, kwargs: Mapping[str, Any]) -> None:
     try:
         done = await asyncio.to_thread(correct_child, ctx, key, kind, body, ctx.indexes)
     except ApiException as exc:  # the owner's next event, or its retry, applies it
+        if namespace_terminating(exc):
+            return  # the owner goes with its namespace
         log.warning("could not correct %s of %s/%s: %s", kind, *key, exc.reason)
         ctx.requeue.later(key, 0)
         done = None

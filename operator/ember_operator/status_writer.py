@@ -24,7 +24,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ember_operator import metrics, render, status
 from ember_operator.api import GROUP, KIND, PLURAL, VERSION
-from ember_operator.apply import request
+from ember_operator.apply import namespace_terminating, request
 from ember_operator.thermal.actions import ObjectRef, record_event
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,8 @@ def _announce_degraded(
     try:
         record_event(client.CoreV1Api(api), ref, degraded["reason"], degraded["message"], "Warning")
     except ApiException as exc:  # the condition is written; the Event is the courtesy copy
+        if namespace_terminating(exc):
+            return  # the object goes with its namespace: no one will read the Event
         log.warning(
             "event %s for %s/%s not posted: %s",
             degraded["reason"],

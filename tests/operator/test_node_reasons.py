@@ -85,9 +85,12 @@ def _degraded(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
     return found if found and found["status"] == "True" else None
 
 
-def _warnings(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
+def _warnings(kube: Kube, namespace: str, name: str, reason: str) -> list[dict[str, Any]]:
+    """The Warning Events about `name` with `reason`. Filtered by reason: on a busy node the
+    replica may first wait for room (`Unschedulable`, its own Event); one per change is the
+    promise, so a second Event with the same reason would still fail the test."""
     events = rest.items(kube.api, "events", namespace, field_selector=f"involvedObject.name={name}")
-    return [e for e in events if e["type"] == "Warning"]
+    return [e for e in events if e["type"] == "Warning" and e["reason"] == reason]
 
 
 def test_corrupted_model_byte_shows_checksum_mismatch(
@@ -111,7 +114,9 @@ def test_corrupted_model_byte_shows_checksum_mismatch(
     assert degraded["message"].endswith(detail), degraded
     described = kube.kubectl("describe", "infd", "corrupt", "-n", namespace)
     assert f"expected {MODEL_SHA256[:12]}… got {got[:12]}…" in described
-    (event,) = wait_for("one Warning Event", lambda: _warnings(kube, namespace, "corrupt"))
+    (event,) = wait_for(
+        "one Warning Event", lambda: _warnings(kube, namespace, "corrupt", "ChecksumMismatch")
+    )
     assert event["reason"] == "ChecksumMismatch" and detail in event["message"]
 
 
@@ -132,5 +137,7 @@ def test_missing_model_directory_shows_the_kubelets_mount_failure(
     assert '"model"' in degraded["message"] and str(model_dir) in degraded["message"], degraded
     cols = table_columns(kube.kubectl("get", "infd", "nodir", "-n", namespace))
     assert cols["STATUS"] == "FailedMount", cols
-    (event,) = wait_for("one Warning Event", lambda: _warnings(kube, namespace, "nodir"))
+    (event,) = wait_for(
+        "one Warning Event", lambda: _warnings(kube, namespace, "nodir", "FailedMount")
+    )
     assert event["reason"] == "FailedMount", json.dumps(event)

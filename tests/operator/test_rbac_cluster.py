@@ -239,7 +239,7 @@ def _flow(kube: Kube, ns: str, site: str) -> None:
     wait_for("the hot taint released", lambda: not _hot(kube, node), timeout=60)
     reasons = {e["reason"] for e in rest.items(kube.api, "events", ns)}
     assert "ReplicaMovedOffHotNode" in reasons, reasons
-    # Deleted: Kopf lets go of it (its finalizer), garbage collection takes the children.
+    # Deleted: no finalizer to wait for, garbage collection takes the children.
     rest.delete(kube.api, "infd", ns, name)
     wait_for("the object gone", lambda: rest.get(kube.api, "infd", ns, name) is None, timeout=60)
 
