@@ -114,9 +114,11 @@ def test_corrupted_model_byte_shows_checksum_mismatch(
     assert degraded["message"].endswith(detail), degraded
     described = kube.kubectl("describe", "infd", "corrupt", "-n", namespace)
     assert f"expected {MODEL_SHA256[:12]}… got {got[:12]}…" in described
-    (event,) = wait_for(
-        "one Warning Event", lambda: _warnings(kube, namespace, "corrupt", "ChecksumMismatch")
+    events = wait_for(
+        "a Warning Event", lambda: _warnings(kube, namespace, "corrupt", "ChecksumMismatch")
     )
+    assert len(events) == 1, json.dumps(events, indent=1)
+    (event,) = events
     assert event["reason"] == "ChecksumMismatch" and detail in event["message"]
 
 
@@ -137,7 +139,7 @@ def test_missing_model_directory_shows_the_kubelets_mount_failure(
     assert '"model"' in degraded["message"] and str(model_dir) in degraded["message"], degraded
     cols = table_columns(kube.kubectl("get", "infd", "nodir", "-n", namespace))
     assert cols["STATUS"] == "FailedMount", cols
-    (event,) = wait_for(
-        "one Warning Event", lambda: _warnings(kube, namespace, "nodir", "FailedMount")
-    )
+    events = wait_for("a Warning Event", lambda: _warnings(kube, namespace, "nodir", "FailedMount"))
+    assert len(events) == 1, json.dumps(events, indent=1)
+    (event,) = events
     assert event["reason"] == "FailedMount", json.dumps(event)
