@@ -82,7 +82,12 @@ def test_fuzzed_specs(crd: Any, namespace: str, tmp_path: Path) -> None:
             derandomize=True,  # a fixed seed: CI sees the same specs every run
             database=None,
             deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+            suppress_health_check=[
+                HealthCheck.too_slow,
+                HealthCheck.data_too_large,
+                HealthCheck.filter_too_much,
+                HealthCheck.large_base_example,
+            ],
         )
         @given(fuzz.cases())
         def one(case: fuzz.Case) -> None:
