@@ -18,8 +18,9 @@ from tests.operator.specs import manifest
 
 Path = tuple[str | int, ...]
 TEXT = string.ascii_letters + string.digits + "-._/"
+# Hypothesis leans towards the first choice (about half the cases): the valid specs, which
+# then exercise the operator; the mutations share the other half.
 MUTATIONS = (
-    "none",
     "none",
     "wrong-type",
     "out-of-range",
