@@ -99,7 +99,9 @@ def churn(driver: Driver, operator: Operator, size: Size) -> float:
     restart_at: float | None = None
     last_start = time.monotonic()
     for i in range(size.operations):
-        if i in kills and operator.alive():
+        if i in kills:
+            if not operator.alive():  # still down from the last kill: this one hits start-up
+                operator.start()
             operator.kill()
             restart_at = time.monotonic() + rng.uniform(0, 2)  # down for up to 2 s
         if restart_at is not None and time.monotonic() >= restart_at:
@@ -243,6 +245,12 @@ def converge(
             found = Findings(unconverged=[f"listing failed: {exc.reason}"])
         if found.clean():
             return time.monotonic() - start, found
+        if int(time.monotonic() - start) % 15 < 2:  # what it is waiting for, now and then
+            print(f"  {time.monotonic() - start:5.0f}s {found.counts()} {_sample(found)}")
         if time.monotonic() - start > timeout:
             return None, found
         sleep(2)
+
+
+def _sample(found: Findings) -> list[str]:
+    return [entry for entries in vars(found).values() for entry in entries[:2]][:6]
