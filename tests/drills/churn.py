@@ -11,7 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember_operator import render, sizing
+from ember_operator.api.models import parse_spec
+from ember_operator.apply import digest_of, stamp
 from ember_operator.render import INSTANCE_LABEL
+from ember_operator.settings import load_settings
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
@@ -201,9 +205,31 @@ def _check_object(
             found.duplicates.append(f"{name}: {have} {kind}")
         elif have < want:
             found.missing.append(f"{name}: {have} {kind}")
+    _check_digests(obj, listed, found)
     deployments = _owned(listed, "deployments", uid)
     if len(deployments) == 1:
         _check_rollout(name, st, deployments[0], listed, found)
+
+
+def wanted_digests(obj: dict[str, Any]) -> dict[str, str]:
+    """kind -> digest of the child the operator must have written for the object's current
+    spec, computed as the operator does (`reconcile.planned`): a child with another digest is
+    stale (say, an edit made while the operator was down that it never applied)."""
+    meta, settings = obj["metadata"], load_settings()
+    spec = parse_spec(obj["spec"])
+    sized = sizing.compute(spec, settings, sizing.find_gguf_shape(spec, settings))
+    owner = render.Owner(meta["name"], meta["namespace"], meta["uid"])
+    return {m["kind"]: stamp(m) for m in render.render(owner, spec, settings, sized)}
+
+
+def _check_digests(
+    obj: dict[str, Any], listed: dict[str, list[dict[str, Any]]], found: Findings
+) -> None:
+    name, uid = obj["metadata"]["name"], obj["metadata"]["uid"]
+    for kind, digest in wanted_digests(obj).items():
+        for child in _owned(listed, CHILD_KINDS[kind], uid):
+            if digest_of(child) != digest:
+                found.stuck.append(f"{name}: {kind} not at the current spec's digest")
 
 
 def _check_rollout(
