@@ -30,7 +30,7 @@ endif
 endif
 
 .PHONY: help install apt protos test test-unit lint crds crds-check cluster-build cluster-up \
-        cluster-down cluster-status demo bench e2e e2e-kind clean llama-server images push
+        cluster-down cluster-status demo bench drills e2e e2e-kind clean llama-server images push
 
 help: ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
@@ -106,6 +106,9 @@ e2e-kind: install ## the same flow on a kind cluster (needs Docker + kind; not r
 
 bench: install cluster-build ## the benchmarks (figures printed side by side)
 	$(PY) bench/run_all.py
+
+drills: install cluster-build ## fault drills at full size: operator kill -9 during churn, fuzzed specs (→ bench/results/drills.*)
+	EMBER_DRILL_SCALE=full $(VENV)/bin/pytest -p no:cacheprovider -ra -s --timeout 3600 tests/drills
 
 clean: cluster-down
 	rm -rf $(VENV) build *.egg-info
