@@ -133,6 +133,7 @@ def runtime_config(
             max_batch_size=spec.engine.max_batch_size,
             threads=sizing.threads,
             deterministic=spec.engine.deterministic,
+            gpu_layers=spec.engine.gpu_layers,
             args=dict(spec.engine.args),
         ),
         server=ServerSettings(

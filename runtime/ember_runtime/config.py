@@ -27,13 +27,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from ember_runtime.memory import unified_kv
+from ember_runtime.memory import offloaded_layers, unified_kv
 
 log = logging.getLogger(__name__)
 DEFAULT_CONFIG_PATH = Path("/etc/ember/config.yaml")
 CONFIG_ENV = "EMBER_CONFIG"
-# llama.cpp offloads min(n_gpu_layers, layers + 1): any count above every model's depth is "all".
-ALL_LAYERS = 999
 
 
 class _Wire(BaseModel):
@@ -83,9 +81,7 @@ class EngineSettings(_Wire):
 
         llama.cpp clamps the count to the model's layers (+1 for the output layer), so
         `ALL_LAYERS` means "everything" for any model without reading its header here."""
-        if self.gpu_layers is not None:
-            return self.gpu_layers
-        return ALL_LAYERS if accelerator == "nvidia-gpu" else 0
+        return offloaded_layers(self.gpu_layers, accelerator)
 
     def llamacpp_modes(self) -> LlamaCppModes:
         """`deterministic`, plus the deprecated `args` flags of the previous release.

@@ -169,6 +169,18 @@ def test_deterministic_reaches_the_runtime_config() -> None:
     assert config.engine.llamacpp_modes().deterministic
 
 
+def test_gpu_layers_reach_the_runtime_config_and_sizing() -> None:
+    out = _render(accelerator={"kind": "nvidia-gpu"}, engine={"gpuLayers": 20})
+    data = out["ConfigMap"]["data"]
+    config = RuntimeConfig.model_validate(yaml.safe_load(data["config.yaml"]))
+    assert config.engine.gpu_layers == 20
+    assert config.engine.offloaded_layers(config.accelerator) == 20
+    figures = yaml.safe_load(data["sizing.yaml"])
+    assert figures["gpu_layers"] == 20 and figures["deviceMemory"].endswith("Mi")
+    unset = _render(accelerator={"kind": "nvidia-gpu"})["ConfigMap"]["data"]["config.yaml"]
+    assert RuntimeConfig.model_validate(yaml.safe_load(unset)).engine.gpu_layers is None
+
+
 def test_config_hash_changes_with_the_spec_only() -> None:
     def hash_of(out: dict[str, dict[str, Any]]) -> str:
         annotations = out["Deployment"]["spec"]["template"]["metadata"]["annotations"]
