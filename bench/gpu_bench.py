@@ -7,7 +7,7 @@ would be exceeded (what was skipped is written to the results, not hidden):
 1. `python -m ember_runtime.prewarm diagnose` (accelerator nvidia-gpu) on this machine;
 2. per model (random-weight GGUFs in real shapes, `bench/gpu_models.py`; the 7-8B one first):
    Ember (all layers offloaded, `engine.maxBatchSize` = the most clients) then `llama-server`
-   from the same build (`-ngl 999 -np N -c N x 512 -kvu`), one after the other, at 1, 8, 32 and
+   from the same build (`LLAMA_SERVER_FLAGS`), one after the other, at 1, 8, 32 and
    64 concurrent streaming clients of the CPU benchmark's load generator (`distinct` workload:
    ~62-token prompts, 64 tokens out, greedy): tok/s, TTFT and ITL p50/p99;
 3. the thermal governor on real NVML readings: Ember with `throttleCelsius` a few degrees above
@@ -18,6 +18,10 @@ with NVML (temperature, power, SM clock) sampled through the whole run. Writes
 `OUT/gpu_bench.{json,md,png}` and `OUT/gpu_thermal.png`.
 
     python bench/gpu_bench.py --llama-server BIN --models DIR --out DIR [--deadline S]
+
+`--servers llama-server --previous OLD.json` reruns one server only and keeps the other's rows
+(and the thermal run and diagnosis) from OLD.json, saying in the results which run each came
+from: same build and machine kind, a fraction of the device time.
 """
 
 from __future__ import annotations
@@ -144,11 +148,22 @@ def ember_server(model: Path, slots: int, work: Path, thermal: dict[str, Any] | 
     return Server("ember", argv, port)
 
 
+def llama_server_flags(slots: int) -> list[str]:
+    """llama-server set up as Ember is: every layer offloaded, one slot per client, one KV pool
+    of 512 cells per slot. Its host-RAM prompt cache is off (`--cache-ram 0`; on by default,
+    it copies every idle slot's KV out of the GPU whenever a request starts: Ember has no such
+    cache), and so are context checkpoints (`--ctx-checkpoints 0`: copies of a sliding-window
+    model's KV state during prompts, Gemma 3 here; Ember makes none)."""
+    return [
+        "-ngl", "999", "-t", str(THREADS), "-tb", str(THREADS), "-np", str(slots),
+        "-c", str(CTX_PER_SEQ * slots), "-kvu", "--cache-ram", "0", "--ctx-checkpoints", "0",
+    ]  # fmt: skip
+
+
 def llama_server(binary: Path, model: Path, slots: int) -> Server:
     port = free_port()
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["-ngl", "999", "-t", str(THREADS), "-tb", str(THREADS), "-np", str(slots)]
-    argv += ["-c", str(CTX_PER_SEQ * slots), "-kvu", "--log-disable"]
+    argv += [*llama_server_flags(slots), "--log-disable"]
     return Server("llama-server", argv, port)
 
 
@@ -363,15 +378,26 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for model, servers in report["runs"].items():
         for server, rows in servers.items():
+            run = report.get("row_runs", {}).get(f"{model}/{server}", "")
             for r in rows:
                 n = r["nvml"]
                 out.append(
-                    f"| {model} | {server} | {r['clients']} | {r['requests']} | {r['tok_s']:.1f} "
+                    f"| {model} | {server}{f' ({run})' if run else ''} | {r['clients']} "
+                    f"| {r['requests']} | {r['tok_s']:.1f} "
                     f"| {r['ttft_p50'] * 1e3:.1f} | {r['ttft_p99'] * 1e3:.1f} "
                     f"| {r['itl_p50'] * 1e3:.2f} | {r['itl_p99'] * 1e3:.2f} | {r['errors']} "
                     f"| {n['celsius_max']:.0f} | {n['watts_mean']:.0f} | {n['sm_mhz_mean']:.0f} "
                     f"| {n['util_mean']:.0f} |"
                 )
+    out += ["", f"llama-server flags: `{' '.join(report['llama_server_flags'])}`."]
+    prev = report.get("previous")
+    if prev:
+        out += [
+            "",
+            f"Rows marked ({prev['name'] or 'previous run'}) are from an earlier run on the same "
+            f"build and machine kind (its llama-server flags: `{prev['llama_server_flags']}`); "
+            "the others from this one.",
+        ]
     out += ["", "## Goals (issue 17)", ""]
     out += verdict(report["runs"], "llama-8b")
     out += ["", "270M (not a goal; what limits it is per-token overhead):", ""]
@@ -448,6 +474,36 @@ def plot(report: dict[str, Any], out: Path) -> None:
 # --- main -------------------------------------------------------------------------------------
 
 
+def keep_previous(
+    report: dict[str, Any], old: dict[str, Any], servers: list[str], args: argparse.Namespace
+) -> None:
+    """Carry the rows of the servers this run skips (and, without Ember, the thermal run and
+    the diagnosis) from an earlier run, labelled so the table says which run each row is from."""
+    report["row_runs"] = {}
+    for model, rows_by_server in old.get("runs", {}).items():
+        for server, rows in rows_by_server.items():
+            if server not in servers:
+                report["runs"].setdefault(model, {})[server] = rows
+                report["row_runs"][f"{model}/{server}"] = args.previous_name or "previous run"
+                seconds = old.get("load_seconds", {}).get(f"{model}/{server}")
+                if seconds is not None:
+                    report["load_seconds"][f"{model}/{server}"] = seconds
+    for model in args.only.split(","):
+        for server in servers:
+            report["row_runs"][f"{model}/{server}"] = args.run_name or "this run"
+    if "ember" not in servers:
+        for key in ("thermal", "diagnose"):
+            if key in old:
+                report[key] = old[key]
+    report["previous"] = {
+        "name": args.previous_name,
+        "llama_server_flags": old.get(
+            "llama_server_flags", "-ngl 999 -t 8 -tb 8 -np 64 -c 32768 -kvu"
+        ),
+        "idle": old.get("idle"),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", type=Path, required=True)
@@ -456,6 +512,10 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds from start")
     ap.add_argument("--only", default="llama-8b,gemma3-270m")
     ap.add_argument("--thermal-margin", type=float, default=4.0)
+    ap.add_argument("--servers", default="ember,llama-server")
+    ap.add_argument("--previous", type=Path, help="keep the rows of servers not rerun from here")
+    ap.add_argument("--run-name", default="", help="label of this run's rows (with --previous)")
+    ap.add_argument("--previous-name", default="", help="label of the kept rows")
     args = ap.parse_args()
     stop_at = time.monotonic() + args.deadline
     work = args.out / "work"
@@ -471,7 +531,11 @@ def main() -> None:
         "runs": {},
         "load_seconds": {},
         "skipped": [],
+        "llama_server_flags": llama_server_flags(max(LEVELS)),
     }
+    servers = args.servers.split(",")
+    if args.previous is not None:
+        keep_previous(report, json.loads(args.previous.read_text()), servers, args)
 
     def left() -> float:
         return float(stop_at - time.monotonic())
@@ -486,14 +550,17 @@ def main() -> None:
     try:
         for name in args.only.split(","):
             models[name] = write_model(name, args.models)
-        report["diagnose"] = diagnose(models[args.only.split(",")[-1]], work)
+        if "ember" in servers:
+            report["diagnose"] = diagnose(models[args.only.split(",")[-1]], work)
         for index, (name, model) in enumerate(models.items()):
-            for server in (
+            candidates = (
                 ember_server(model, slots, work, None),
                 llama_server(args.llama_server, model, slots),
-            ):
+            )
+            for server in (c for c in candidates if c.name in servers):
                 need = 150 if name == "llama-8b" else 90
-                if left() < need + (100 if index == 0 else 0):
+                thermal_next = index == 0 and "ember" in servers
+                if left() < need + (100 if thermal_next else 0):
                     report["skipped"].append(f"{name}: {server.name} ({left():.0f} s left)")
                     continue
                 print(f"{name}: {server.name}", flush=True)
@@ -501,7 +568,7 @@ def main() -> None:
                 report["runs"].setdefault(name, {})[server.name] = rows
                 report["load_seconds"][f"{name}/{server.name}"] = round(load_s, 1)
                 save()
-            if index == 0:
+            if index == 0 and "ember" in servers:
                 if left() > THERMAL_SECONDS + 40:
                     print("thermal governor run", flush=True)
                     report["thermal"] = thermal_run(model, slots, work, nvml, args.thermal_margin)
