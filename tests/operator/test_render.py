@@ -135,6 +135,21 @@ def test_accelerators_request_their_extended_resource() -> None:
     assert cpu["limits"] == cpu["requests"]  # Guaranteed QoS
 
 
+def test_gpu_replicas_get_the_gpu_image() -> None:
+    gpu_settings = OperatorSettings(runtime_image="ex/cpu:1", runtime_gpu_image="ex/cuda:1")
+    gpu = {"accelerator": {"kind": "nvidia-gpu"}}
+
+    def images(settings: OperatorSettings, **overrides: Any) -> set[str]:
+        pod = _pod(_render(settings, **overrides))
+        return {c["image"] for c in pod["containers"] + pod["initContainers"]}
+
+    assert images(gpu_settings, **gpu) == {"ex/cuda:1"}
+    assert images(gpu_settings) == {"ex/cpu:1"}  # CPU replicas keep the CPU image
+    assert images(gpu_settings, accelerator={"kind": "npu"}) == {"ex/cpu:1"}
+    assert images(gpu_settings, image="ex/mine:2", **gpu) == {"ex/mine:2"}  # the spec wins
+    assert images(SETTINGS, **gpu) == {"example/runtime:1"}  # no GPU image: the CPU one
+
+
 def test_sites_pin_and_spread() -> None:
     pod = _pod(_render(placement={"sites": ["a", "b"], "nodeSelector": {"disk": "ssd"}}))
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
