@@ -113,6 +113,16 @@ def problems(spec: InferenceDeploymentSpec, sizing: Sizing) -> list[Problem]:
     return found
 
 
+def runtime_image(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> str:
+    """The spec's image, else the CUDA build for nvidia-gpu replicas (when the operator has
+    one), else the CPU image."""
+    if spec.image:
+        return spec.image
+    if spec.accelerator.kind == AcceleratorKind.NVIDIA_GPU and settings.runtime_gpu_image:
+        return settings.runtime_gpu_image
+    return settings.runtime_image
+
+
 def runtime_config(
     spec: InferenceDeploymentSpec, settings: OperatorSettings, sizing: Sizing
 ) -> RuntimeConfig:
@@ -133,6 +143,7 @@ def runtime_config(
             max_batch_size=spec.engine.max_batch_size,
             threads=sizing.threads,
             deterministic=spec.engine.deterministic,
+            gpu_layers=spec.engine.gpu_layers,
             args=dict(spec.engine.args),
         ),
         server=ServerSettings(
@@ -380,7 +391,7 @@ def render(
         "spec": spec,
         "settings": settings,
         "sizing": sizing,
-        "image": spec.image or settings.runtime_image,
+        "image": runtime_image(spec, settings),
         "config_data": data,
         "config_hash": restart_hash(spec, settings, sizing),
         "node_selector": dict(spec.placement.node_selector),

@@ -18,6 +18,11 @@ class OperatorSettings(BaseSettings):
     runtime_image: str = Field(
         default="ghcr.io/ember-dev/ember-runtime:0.1.0", description="Default runtime image."
     )
+    runtime_gpu_image: str | None = Field(
+        default=None,
+        description="Runtime image for accelerator.kind nvidia-gpu (llama.cpp built with CUDA); "
+        "unset: runtime_image, which serves those replicas on the CPU.",
+    )
     image_pull_policy: str = "IfNotPresent"
     # Lists come from the environment as `a,b` (what the README and the chart write), not JSON.
     namespaces: Annotated[list[str], NoDecode] = Field(

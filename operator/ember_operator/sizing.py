@@ -11,6 +11,11 @@ memory is derived from what the engine will actually allocate:
   layers x contextLength x maxBatchSize x KV heads x (key + value head size) x 2 bytes;
 * a fixed runtime overhead (Python, the server, the engine's own allocations).
 
+With layers offloaded to a GPU (`accelerator.kind: nvidia-gpu`, `engine.gpuLayers`), their
+weights, their KV cells and the compute graph live in device memory: the pod's memory counts
+only the host side (the prewarm volume, when enabled, still holds every weight in host memory),
+and the device figures are reported beside it (`deviceMemory` in the ConfigMap's sizing.yaml).
+
 The GGUF header (read with `gguf.GGUFReader`, memory-mapped, no weights loaded) gives the exact
 shape; without a readable header the figures are a stated, conservative estimate.
 Threads follow the CPU limit, never above it: 2 threads on 2 busy cores measured 0.38x of 1.
@@ -26,8 +31,10 @@ from typing import Any
 
 from ember_runtime.memory import (
     GGUFShape,
+    Offload,
     engine_memory,
     kv_cells,
+    offloaded_layers,
     read_gguf_shape,
     unified_kv,
 )
@@ -62,7 +69,8 @@ def find_gguf_shape(spec: InferenceDeploymentSpec, settings: OperatorSettings) -
 
 @dataclass(frozen=True)
 class Sizing:
-    """Every computed figure, shown verbatim in the rendered ConfigMap."""
+    """Every computed figure, shown verbatim in the rendered ConfigMap. `kv_cache_bytes`,
+    `compute_buffer_bytes` and `memory_bytes` are host memory; `device_*` GPU memory."""
 
     source: str  # "gguf-header" | "estimate" | "user"
     model_bytes: int
@@ -76,11 +84,30 @@ class Sizing:
     startup_period_seconds: int
     startup_failure_threshold: int
     shape: GGUFShape | None = None
+    gpu_layers: int = 0
+    device_weights_bytes: int = 0
+    device_kv_cache_bytes: int = 0
+    device_compute_buffer_bytes: int = 0
+
+    @property
+    def device_memory_bytes(self) -> int:
+        return (
+            self.device_weights_bytes
+            + self.device_kv_cache_bytes
+            + self.device_compute_buffer_bytes
+        )
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["memory"] = quantity.format_bytes(self.memory_bytes)
         data["sharedMemory"] = quantity.format_bytes(self.shared_memory_bytes)
+        if not self.gpu_layers:
+            # CPU replicas keep the figures (and so the config hash) they had before offload.
+            for key in ("gpu_layers", *(k for k in list(data) if k.startswith("device_"))):
+                del data[key]
+            return data
+        data["device_memory_bytes"] = self.device_memory_bytes
+        data["deviceMemory"] = quantity.format_bytes(quantity.ceil_mib(self.device_memory_bytes))
         return data
 
 
@@ -88,6 +115,31 @@ def _estimate(model_bytes: int, cells: int) -> tuple[int, int]:
     """No header: assume a 7B-class KV footprint scaled by size and a 262k-vocab compute buffer."""
     per_token = max(32 * 1024, int(512 * 1024 * min(1.0, model_bytes / 4e9)))
     return per_token * cells, 512 * quantity.MIB + 16 * quantity.MIB
+
+
+def _engine_need(
+    spec: InferenceDeploymentSpec,
+    shape: GGUFShape | None,
+    total: int,
+    overhead: int,
+    offload: Offload,
+) -> tuple[int, int, int, int]:
+    """(host KV, host compute, device KV, device compute) bytes for one replica."""
+    context, sequences = spec.engine.context_length, spec.engine.max_batch_size
+    if shape is not None:  # the engine's own rule: the runtime checks the same at start
+        need = engine_memory(
+            shape,
+            context=context,
+            sequences=sequences,
+            overhead=overhead,
+            unified=unified_kv(spec.engine.deterministic),
+            offload=offload,
+        )
+        return need.kv_cache, need.compute_buffer, need.device_kv_cache, need.device_compute_buffer
+    kv, buf = _estimate(total, kv_cells(context, sequences))
+    host_kv, device_kv = offload.split(kv)
+    # No header, no split of the buffer: the whole of it on each side that runs layers.
+    return host_kv, buf, device_kv, buf if offload.device else 0
 
 
 def shared_memory_bytes(spec: InferenceDeploymentSpec) -> int:
@@ -118,21 +170,14 @@ def compute(
     """Pure: the sizing of one replica from its spec and (when readable) its GGUF header."""
     total = model_bytes(spec)
     shm = shared_memory_bytes(spec)
-    context = spec.engine.context_length
     overhead = settings.runtime_overhead_mib * quantity.MIB
-    sequences = spec.engine.max_batch_size
-    if shape is not None:  # the engine's own rule: the runtime checks the same at start
-        need = engine_memory(
-            shape,
-            context=context,
-            sequences=sequences,
-            overhead=overhead,
-            unified=unified_kv(spec.engine.deterministic),
-        )
-        kv, buf = need.kv_cache, need.compute_buffer
-    else:
-        kv, buf = _estimate(total, kv_cells(context, sequences))
-    weights = shm if spec.prewarm.enabled else total  # page cache of the mmapped files
+    layers = offloaded_layers(spec.engine.gpu_layers, spec.accelerator.kind.value)
+    offload = Offload.of(layers, shape.layers if shape is not None else None)
+    kv, buf, device_kv, device_buf = _engine_need(spec, shape, total, overhead, offload)
+    host_weights, device_weights = offload.split(total)
+    # The prewarm volume holds every weight in host memory; without it, the page cache of the
+    # mmapped files the CPU layers read.
+    weights = shm if spec.prewarm.enabled else host_weights
     memory = quantity.ceil_mib(int((weights + kv + buf + overhead) * settings.memory_headroom))
     cpu = cpu_for(spec, settings)
     threads = spec.engine.threads or max(1, math.floor(cpu))
@@ -156,4 +201,8 @@ def compute(
         startup_period_seconds=STARTUP_PERIOD_SECONDS,
         startup_failure_threshold=max(3, failures),
         shape=shape,
+        gpu_layers=layers,
+        device_weights_bytes=device_weights,
+        device_kv_cache_bytes=device_kv,
+        device_compute_buffer_bytes=device_buf,
     )

@@ -27,7 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from ember_runtime.memory import unified_kv
+from ember_runtime.memory import offloaded_layers, unified_kv
 
 log = logging.getLogger(__name__)
 DEFAULT_CONFIG_PATH = Path("/etc/ember/config.yaml")
@@ -68,7 +68,20 @@ class EngineSettings(_Wire):
         description="One KV pool for all sequences (None: the mode's default; never when "
         "deterministic).",
     )
+    gpu_layers: int | None = Field(
+        default=None,
+        ge=0,
+        description="llamacpp: layers offloaded to the GPU (None: every layer on nvidia-gpu, "
+        "none elsewhere; 0 keeps the model on the CPU).",
+    )
     args: dict[str, str] = Field(default_factory=dict)
+
+    def offloaded_layers(self, accelerator: str) -> int:
+        """The `n_gpu_layers` llama.cpp gets: what the spec says, else all of them on a GPU.
+
+        llama.cpp clamps the count to the model's layers (+1 for the output layer), so
+        `ALL_LAYERS` means "everything" for any model without reading its header here."""
+        return offloaded_layers(self.gpu_layers, accelerator)
 
     def llamacpp_modes(self) -> LlamaCppModes:
         """`deterministic`, plus the deprecated `args` flags of the previous release.

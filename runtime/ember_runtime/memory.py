@@ -16,11 +16,20 @@ checks, before it loads anything, that the same figure fits under its container'
   pages written by the init container), not to the runtime container's cgroup; without
   prewarm the page cache of the mapped file is charged to the container that reads it.
 * A fixed runtime overhead (Python, the server, llama.cpp's own allocations).
+
+On a GPU (`n_gpu_layers` > 0, `offloaded_layers`) each offloaded layer's weights and KV cells
+live in device memory, and so does the compute graph; the logits (output buffer) stay in host
+memory. The split is by layer count (`Offload`): exact for the KV cache, an estimate for the
+weights (llama.cpp keeps the token embeddings in host memory, where they are a mmapped,
+reclaimable page cache; counted on the device side here). The host figure is what the pod's
+memory limit must hold; the device figure is reported beside it, not enforced (the device
+plugin hands out whole GPUs).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,8 +42,44 @@ F32_BYTES = 4
 MIB = 1 << 20
 RUNTIME_OVERHEAD_BYTES = 192 * MIB  # measured RSS of the idle server besides the model
 DEFAULT_STEP_TOKENS = 256
+# llama.cpp offloads min(n_gpu_layers, layers + 1): any count above every model's depth is "all".
+ALL_LAYERS = 999
 # Fast mode keeps all sequences in one KV pool (llama-server's -kvu); deterministic mode never.
 UNIFIED_BY_DEFAULT = False
+
+
+def offloaded_layers(gpu_layers: int | None, accelerator: str) -> int:
+    """The `n_gpu_layers` llama.cpp gets: what the spec says, else all of them on a GPU."""
+    if gpu_layers is not None:
+        return gpu_layers
+    return ALL_LAYERS if accelerator == "nvidia-gpu" else 0
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Which share of the per-layer bytes (weights, KV cache) sits in host and device memory."""
+
+    host: float
+    device: float
+
+    @classmethod
+    def of(cls, offloaded: int, layers: int | None) -> Offload:
+        """`offloaded` of `layers` layers on the device. With no header (`layers` None) both
+        sides take the upper bound: all on the host unless every layer is offloaded, and all
+        on the device once any is."""
+        if offloaded <= 0:
+            return cls(host=1.0, device=0.0)
+        if layers is None:
+            return cls(host=0.0 if offloaded >= ALL_LAYERS else 1.0, device=1.0)
+        on_device = min(offloaded, layers) / layers
+        return cls(host=1.0 - on_device, device=on_device)
+
+    def split(self, total: int) -> tuple[int, int]:
+        """(host bytes, device bytes) of `total` per-layer bytes, rounded up on both sides."""
+        return math.ceil(total * self.host), math.ceil(total * self.device)
+
+
+CPU_ONLY = Offload(host=1.0, device=0.0)
 
 
 def unified_kv(deterministic: bool, setting: bool | None = None) -> bool:
@@ -128,20 +173,42 @@ def compute_buffer_bytes(shape: GGUFShape, attended: int, ubatch: int, outputs: 
     2048 x 16, 4 + 9.5 MiB at 512 x 4; this gives 46 and 15 MiB). Without the output limit
     llama.cpp would size logits for every row: ~514 MiB at a 512-row micro-batch.
     """
-    logits = shape.vocab * outputs * F32_BYTES
+    return output_buffer_bytes(shape, outputs) + graph_buffer_bytes(
+        shape, attended, ubatch, outputs
+    )
+
+
+def output_buffer_bytes(shape: GGUFShape, outputs: int) -> int:
+    """The logits llama.cpp hands back: host memory whether or not layers are offloaded."""
+    return shape.vocab * outputs * F32_BYTES
+
+
+def graph_buffer_bytes(shape: GGUFShape, attended: int, ubatch: int, outputs: int) -> int:
+    """The compute graph's buffer: in device memory once layers are offloaded."""
     per_row = shape.heads * attended * F32_BYTES + shape.embedding * F32_BYTES * 8
-    return 2 * logits + ubatch * per_row
+    return output_buffer_bytes(shape, outputs) + ubatch * per_row
 
 
 @dataclass(frozen=True)
 class EngineMemory:
+    """Bytes the engine allocates besides the weights: `kv_cache`, `compute_buffer` and
+    `overhead` in host memory (what the container's limit must hold), `device_*` in device
+    memory (zero on the CPU)."""
+
     kv_cache: int
     compute_buffer: int
     overhead: int
+    device_kv_cache: int = 0
+    device_compute_buffer: int = 0
 
     @property
     def total(self) -> int:
+        """Host memory."""
         return self.kv_cache + self.compute_buffer + self.overhead
+
+    @property
+    def device(self) -> int:
+        return self.device_kv_cache + self.device_compute_buffer
 
 
 def engine_memory(
@@ -152,18 +219,24 @@ def engine_memory(
     step_tokens: int = DEFAULT_STEP_TOKENS,
     overhead: int = RUNTIME_OVERHEAD_BYTES,
     unified: bool = False,
+    offload: Offload = CPU_ONLY,
 ) -> EngineMemory:
     """What the llama.cpp engine allocates besides the weights (see the module docstring).
 
     `unified`: one KV pool for all sequences (the same cells in total), whose attention spans
-    the whole pool rather than one sequence's stream."""
+    the whole pool rather than one sequence's stream. `offload`: the layers' share in device
+    memory; the graph buffer goes there with any offloaded layer, and stays on the host too
+    while some layers run on the CPU."""
     cells = kv_cells(context, sequences)
+    host_kv, device_kv = offload.split(kv_cache_bytes(shape, cells))
+    attended = cells if unified else context
+    graph = graph_buffer_bytes(shape, attended, batch_tokens(step_tokens, sequences), sequences)
     return EngineMemory(
-        kv_cache=kv_cache_bytes(shape, cells),
-        compute_buffer=compute_buffer_bytes(
-            shape, cells if unified else context, batch_tokens(step_tokens, sequences), sequences
-        ),
+        kv_cache=host_kv,
+        compute_buffer=output_buffer_bytes(shape, sequences) + (graph if offload.host else 0),
         overhead=overhead,
+        device_kv_cache=device_kv,
+        device_compute_buffer=graph if offload.device else 0,
     )
 
 
@@ -202,20 +275,25 @@ def preflight(config: RuntimeConfig, model: Path, cgroup_root: Path) -> EngineMe
     """Before loading anything: refuse to start when the engine cannot fit in this container.
 
     Only for GGUF models on the llama.cpp engine (None otherwise). Weights served from the
-    prewarm volume are charged to the pod, not to this container, so they do not count here.
+    prewarm volume are charged to the pod, not to this container, so they do not count here;
+    nor do offloaded layers' weights and KV cells, which live in device memory.
     """
     if config.engine.kind != "llamacpp" or model.suffix != ".gguf":
         return None
     modes = config.engine.llamacpp_modes()
+    shape = read_gguf_shape(model)
+    offload = Offload.of(config.engine.offloaded_layers(config.accelerator), shape.layers)
     need = engine_memory(
-        read_gguf_shape(model),
+        shape,
         context=config.engine.context_length,
         sequences=config.engine.max_batch_size,
         step_tokens=config.engine.step_tokens,
         unified=modes.kv_unified,
+        offload=offload,
     )
     prewarmed = config.prewarm_dir is not None and model.is_relative_to(config.prewarm_dir)
-    check_limit(need, 0 if prewarmed else model.stat().st_size, cgroup_memory_limit(cgroup_root))
+    weights = 0 if prewarmed else offload.split(model.stat().st_size)[0]
+    check_limit(need, weights, cgroup_memory_limit(cgroup_root))
     return need
 
 

@@ -208,6 +208,25 @@ def test_optional_parts_follow_values(helm: str) -> None:
     assert by_kind(render(helm, "-f", str(CHART / "ci" / "ha-values.yaml")), "ServiceMonitor")
 
 
+def _operator_env(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (operator,) = by_kind(docs, "Deployment")
+    container = operator["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_gpu_runtime_image_reaches_the_operator_only_when_set(helm: str) -> None:
+    assert "EMBER_OPERATOR_RUNTIME_GPU_IMAGE" not in _operator_env(render(helm))
+    docs = render(
+        helm,
+        "--set", "image.registry=example.test/ember",
+        "--set", "image.tag=1.2",
+        "--set", "operator.runtimeGpuImage=ember-runtime-cuda",
+    )  # fmt: skip
+    env = _operator_env(docs)
+    assert env["EMBER_OPERATOR_RUNTIME_GPU_IMAGE"] == "example.test/ember/ember-runtime-cuda:1.2"
+    assert env["EMBER_OPERATOR_RUNTIME_IMAGE"] == "example.test/ember/ember-runtime:1.2"
+
+
 def test_crds_are_the_generated_ones() -> None:
     root = CHART.parents[1] / "crds"
     for crd in root.glob("*.yaml"):

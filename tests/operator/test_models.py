@@ -46,6 +46,7 @@ def test_camel_case_wire_names() -> None:
         ({"engine": {"kind": "vllm"}}, "llamacpp"),
         ({"prewarm": {"sharedMemoryLimit": "lots"}}, "not a Kubernetes quantity"),
         ({"server": {"port": 70000}}, "less than or equal to 65535"),
+        ({"engine": {"gpuLayers": -1}}, "greater than or equal to 0"),
         ({"surprise": True}, "Extra inputs are not permitted"),
     ],
 )

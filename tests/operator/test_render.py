@@ -135,6 +135,21 @@ def test_accelerators_request_their_extended_resource() -> None:
     assert cpu["limits"] == cpu["requests"]  # Guaranteed QoS
 
 
+def test_gpu_replicas_get_the_gpu_image() -> None:
+    gpu_settings = OperatorSettings(runtime_image="ex/cpu:1", runtime_gpu_image="ex/cuda:1")
+    gpu = {"accelerator": {"kind": "nvidia-gpu"}}
+
+    def images(settings: OperatorSettings, **overrides: Any) -> set[str]:
+        pod = _pod(_render(settings, **overrides))
+        return {c["image"] for c in pod["containers"] + pod["initContainers"]}
+
+    assert images(gpu_settings, **gpu) == {"ex/cuda:1"}
+    assert images(gpu_settings) == {"ex/cpu:1"}  # CPU replicas keep the CPU image
+    assert images(gpu_settings, accelerator={"kind": "npu"}) == {"ex/cpu:1"}
+    assert images(gpu_settings, image="ex/mine:2", **gpu) == {"ex/mine:2"}  # the spec wins
+    assert images(SETTINGS, **gpu) == {"example/runtime:1"}  # no GPU image: the CPU one
+
+
 def test_sites_pin_and_spread() -> None:
     pod = _pod(_render(placement={"sites": ["a", "b"], "nodeSelector": {"disk": "ssd"}}))
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -167,6 +182,18 @@ def test_deterministic_reaches_the_runtime_config() -> None:
     config = RuntimeConfig.model_validate(yaml.safe_load(out["ConfigMap"]["data"]["config.yaml"]))
     assert config.engine.deterministic
     assert config.engine.llamacpp_modes().deterministic
+
+
+def test_gpu_layers_reach_the_runtime_config_and_sizing() -> None:
+    out = _render(accelerator={"kind": "nvidia-gpu"}, engine={"gpuLayers": 20})
+    data = out["ConfigMap"]["data"]
+    config = RuntimeConfig.model_validate(yaml.safe_load(data["config.yaml"]))
+    assert config.engine.gpu_layers == 20
+    assert config.engine.offloaded_layers(config.accelerator) == 20
+    figures = yaml.safe_load(data["sizing.yaml"])
+    assert figures["gpu_layers"] == 20 and figures["deviceMemory"].endswith("Mi")
+    unset = _render(accelerator={"kind": "nvidia-gpu"})["ConfigMap"]["data"]["config.yaml"]
+    assert RuntimeConfig.model_validate(yaml.safe_load(unset)).engine.gpu_layers is None
 
 
 def test_config_hash_changes_with_the_spec_only() -> None:

@@ -118,3 +118,74 @@ def test_quantities_canonical_like_the_api_server() -> None:
     assert not quantity.same("1Gi", "1G")
     assert quantity.format_cpu(quantity.parse("2500m")) == "2500m"
     assert quantity.format_cpu(quantity.parse("2")) == "2"
+
+
+def test_offloaded_layers_leave_the_host_memory(gemma_gguf: Path) -> None:
+    settings = OperatorSettings()
+    shape = memory.read_gguf_shape(gemma_gguf)
+    gpu = {"accelerator": {"kind": "nvidia-gpu"}, "prewarm": {"enabled": False}}
+    cpu = sizing.compute(
+        parse_spec(_spec_for(gemma_gguf, prewarm={"enabled": False})), settings, shape
+    )
+    full = sizing.compute(parse_spec(_spec_for(gemma_gguf, **gpu)), settings, shape)
+    # Every layer on the device: weights, KV cache and compute graph leave the host figure,
+    # which keeps the logits and the runtime's own overhead.
+    assert full.gpu_layers == memory.ALL_LAYERS
+    assert full.kv_cache_bytes == 0 and full.device_kv_cache_bytes == cpu.kv_cache_bytes
+    assert full.device_weights_bytes == gemma_gguf.stat().st_size
+    logits = shape.vocab * 16 * 4
+    assert full.compute_buffer_bytes == logits
+    assert full.memory_bytes < cpu.memory_bytes - cpu.kv_cache_bytes
+    assert full.memory_bytes >= logits + full.overhead_bytes
+    figures = full.as_dict()
+    assert figures["device_memory_bytes"] == full.device_memory_bytes > cpu.kv_cache_bytes
+    assert figures["deviceMemory"].endswith("Mi")
+    # Half of the 18 layers: half the KV cells on each side, the graph buffer on both.
+    half = sizing.compute(
+        parse_spec(_spec_for(gemma_gguf, **gpu, engine={"gpuLayers": 9})), settings, shape
+    )
+    assert half.kv_cache_bytes == half.device_kv_cache_bytes == cpu.kv_cache_bytes // 2
+    assert half.compute_buffer_bytes == cpu.compute_buffer_bytes
+    assert full.memory_bytes < half.memory_bytes < cpu.memory_bytes
+
+
+def test_prewarm_volume_still_holds_every_weight_on_a_gpu(gemma_gguf: Path) -> None:
+    settings = OperatorSettings()
+    spec = parse_spec(_spec_for(gemma_gguf, accelerator={"kind": "nvidia-gpu"}))
+    sized = sizing.compute(spec, settings, memory.read_gguf_shape(gemma_gguf))
+    assert sized.kv_cache_bytes == 0
+    assert sized.memory_bytes >= sized.shared_memory_bytes >= gemma_gguf.stat().st_size
+
+
+def test_cpu_and_zero_layers_keep_their_figures(gemma_gguf: Path) -> None:
+    settings = OperatorSettings()
+    shape = memory.read_gguf_shape(gemma_gguf)
+    cpu = sizing.compute(parse_spec(_spec_for(gemma_gguf)), settings, shape)
+    zero = sizing.compute(
+        parse_spec(
+            _spec_for(gemma_gguf, accelerator={"kind": "nvidia-gpu"}, engine={"gpuLayers": 0})
+        ),
+        settings,
+        shape,
+    )
+    assert zero.memory_bytes == cpu.memory_bytes and zero.device_memory_bytes == 0
+    # No device keys at all: a CPU replica's sizing.yaml (and config hash) is what it was.
+    assert not [k for k in cpu.as_dict() if "device" in k.lower() or k == "gpu_layers"]
+
+
+def test_without_a_header_the_gpu_estimate_is_an_upper_bound_on_both_sides() -> None:
+    settings = OperatorSettings()
+    gpu = parse_spec(
+        manifest(accelerator={"kind": "nvidia-gpu"}, prewarm={"enabled": False})["spec"]
+    )
+    partial = parse_spec(
+        manifest(
+            accelerator={"kind": "nvidia-gpu"},
+            prewarm={"enabled": False},
+            engine={"gpuLayers": 10},
+        )["spec"]
+    )
+    full, some = sizing.compute(gpu, settings, None), sizing.compute(partial, settings, None)
+    assert full.kv_cache_bytes == 0 and full.device_kv_cache_bytes > 0
+    # Unknown depth: 10 layers may be all of them or a few, so each side counts everything.
+    assert some.kv_cache_bytes == some.device_kv_cache_bytes == full.device_kv_cache_bytes

@@ -134,6 +134,16 @@ REJECT: list[tuple[str, Change, str]] = [
         "engine.threads only applies to the llamacpp engine",
     ),
     (
+        "gpu-layers-on-tensorrt",
+        spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "gpuLayers": 4}}),
+        "engine.gpuLayers only applies to the llamacpp engine",
+    ),
+    (
+        "gpu-layers-on-cpu",
+        spec(engine={"gpuLayers": 4}),
+        "engine.gpuLayers above 0 requires accelerator.kind nvidia-gpu",
+    ),
+    (
         "deterministic-on-tensorrt",
         spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "deterministic": True}}),
         "engine.deterministic only applies to the llamacpp engine",
@@ -197,6 +207,8 @@ ACCEPT: list[tuple[str, Change]] = [
     ("npu-with-count", spec(accelerator={"kind": "npu", "count": 2})),
     ("cpu-count-zero", spec(accelerator={"kind": "cpu", "count": 0})),
     ("threads-on-llamacpp", spec(engine={"threads": 2})),
+    ("gpu-layers-on-gpu", spec(engine={"gpuLayers": 20}, accelerator={"kind": "nvidia-gpu"})),
+    ("no-gpu-layers-on-cpu", spec(engine={"gpuLayers": 0})),
     ("deterministic-on-llamacpp", spec(engine={"deterministic": True})),
     (
         "not-deterministic-on-tensorrt",

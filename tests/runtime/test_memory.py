@@ -98,3 +98,33 @@ def test_runtime_refuses_to_start_under_a_small_limit(model_path: Path, tmp_path
     assert reason == reasons.ENGINE_MEMORY_OVER_LIMIT and detail.startswith("memory: needs ")
     assert "container limit is 256 MiB" in detail
     assert "llama.cpp engine ready" not in done.stderr  # refused before loading the model
+
+
+def test_offload_splits_by_layer() -> None:
+    assert memory.Offload.of(0, 18) == memory.CPU_ONLY
+    assert memory.Offload.of(memory.ALL_LAYERS, 18) == memory.Offload(host=0.0, device=1.0)
+    assert memory.Offload.of(9, 18).split(1000) == (500, 500)
+    assert memory.Offload.of(memory.ALL_LAYERS, None) == memory.Offload(host=0.0, device=1.0)
+    assert memory.Offload.of(4, None) == memory.Offload(host=1.0, device=1.0)
+    assert memory.offloaded_layers(None, "nvidia-gpu") == memory.ALL_LAYERS
+    assert memory.offloaded_layers(None, "cpu") == 0
+    assert memory.offloaded_layers(5, "cpu") == 5
+
+
+def test_offloaded_kv_cache_is_not_charged_to_the_container(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """A GPU replica sized for its host side only starts; the same limit refuses a CPU one."""
+    shape = memory.read_gguf_shape(model_path)
+    cpu_need = memory.engine_memory(shape, context=2048, sequences=16)
+    gpu_need = memory.engine_memory(
+        shape, context=2048, sequences=16, offload=memory.Offload(host=0.0, device=1.0)
+    )
+    assert gpu_need.device_kv_cache == cpu_need.kv_cache and gpu_need.kv_cache == 0
+    assert gpu_need.total < cpu_need.total
+    limit = fake_cgroup(tmp_path / "cg", str(gpu_need.total))
+    config = RuntimeConfig(model_name="m", model_dir=str(model_path.parent))
+    with pytest.raises(memory.MemoryLimitError):
+        memory.preflight(config, model_path, limit)
+    on_gpu = config.model_copy(update={"accelerator": "nvidia-gpu"})
+    assert memory.preflight(on_gpu, model_path, limit) == gpu_need

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ember_runtime.config import SensorSettings
@@ -25,9 +26,12 @@ from ember_runtime.sensors import (
     build_source,
     hottest,
     problems_of,
+    telemetry_of,
 )
 from ember_runtime.sensors.npu_smi import NpuSmiParseError, NpuSmiReader, parse_npu_smi_info
 from ember_runtime.sensors.nvml import NvmlReader, decode_reasons
+from ember_runtime.server.metrics import Metrics
+from prometheus_client import generate_latest
 
 from tests.thermal.conftest import FIXTURES, FakeThermalTree
 
@@ -310,3 +314,53 @@ def test_throttle_reason_bits() -> None:
     assert decode_reasons(0) == ()
     assert decode_reasons(0x1 | 0x40) == ("gpu_idle", "hw_thermal_slowdown")
     assert decode_reasons(0x20 | 0x4) == ("sw_power_cap", "sw_thermal_slowdown")
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, power: object) -> Any:
+    """The real pynvml module with its device calls replaced: two GPUs, real names and errors."""
+    pynvml = pytest.importorskip("pynvml")
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA H200")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetTemperature", lambda h, kind: 40 + h)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetClockInfo", lambda h, kind: 1980)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", lambda h: 0)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPowerUsage", power)
+    return pynvml
+
+
+def test_nvml_reports_power_and_sm_clock_through_every_wrapper(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fake_gpus(monkeypatch, lambda h: 112_000 + 1000 * h)  # milliwatts, as NVML returns
+    source = build_source(SensorSettings(nvml=True, zone_types=["none"]))
+    assert telemetry_of(source) == {}  # nothing read yet
+    assert source.read() == {"gpu0": 40.0, "gpu1": 41.0}
+    assert telemetry_of(source) == {
+        "gpu0": {"sm_clock_mhz": 1980.0, "power_watts": 112.0},
+        "gpu1": {"sm_clock_mhz": 1980.0, "power_watts": 113.0},
+    }
+
+
+def test_nvml_board_without_power_sensor_keeps_its_temperature(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pynvml = pytest.importorskip("pynvml")
+
+    def not_supported(_h: object) -> int:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)  # a Jetson-class board
+
+    _fake_gpus(monkeypatch, not_supported)
+    reader = NvmlReader()
+    assert reader.read() == {"gpu0": 40.0, "gpu1": 41.0}
+    assert reader.telemetry()["gpu0"] == {"sm_clock_mhz": 1980.0}
+
+
+def test_metrics_export_gpu_power_and_clock() -> None:
+    metrics = Metrics()
+    metrics.set_telemetry({"gpu0": {"power_watts": 112.5, "sm_clock_mhz": 1980.0}})
+    text = generate_latest(metrics.registry).decode()
+    assert 'ember_gpu_power_watts{sensor="gpu0"} 112.5' in text
+    assert 'ember_gpu_sm_clock_mhz{sensor="gpu0"} 1980.0' in text

@@ -203,6 +203,10 @@ class EngineSpec(Wire):
                 "!has(self.deterministic) || !self.deterministic || self.kind == 'llamacpp'",
                 "engine.deterministic only applies to the llamacpp engine",
             ),
+            cel(
+                "!has(self.gpuLayers) || self.kind == 'llamacpp'",
+                "engine.gpuLayers only applies to the llamacpp engine",
+            ),
         )
     )
 
@@ -229,6 +233,17 @@ class EngineSpec(Wire):
             "it (decode calls no wider than a width probed at start on the node's CPU, each "
             "prompt chunk alone, no repacked weights, no prefix cache). Costs throughput under "
             "load (see the README); off: batching as llama-server does it."
+        ),
+    )
+    gpu_layers: int | None = Field(
+        default=None,
+        ge=0,
+        le=999,
+        description=(
+            "llamacpp on nvidia-gpu: layers offloaded to the GPU, with their KV cache (default: "
+            "every layer; 0 keeps the model on the CPU). Offloaded layers' weights and KV cache "
+            "live in GPU memory, so the sized memory request leaves them out (sizing.yaml "
+            "in the ConfigMap shows deviceMemory)."
         ),
     )
     args: dict[str, str] = Field(
@@ -359,6 +374,11 @@ class ResourceRequirements(Wire):
 
 
 _SPEC_RULES = rules(
+    cel(
+        "!has(self.engine.gpuLayers) || self.engine.gpuLayers == 0 "
+        "|| self.accelerator.kind == 'nvidia-gpu'",
+        "engine.gpuLayers above 0 requires accelerator.kind nvidia-gpu",
+    ),
     cel(
         "self.engine.kind != 'tensorrt-llm' || self.accelerator.kind == 'nvidia-gpu'",
         "engine.kind tensorrt-llm requires accelerator.kind nvidia-gpu",

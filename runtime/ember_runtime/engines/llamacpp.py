@@ -175,7 +175,8 @@ class _Sequence:
 
 
 class LlamaCppEngine:
-    """The `Engine` for GGUF models on CPU through llama.cpp."""
+    """The `Engine` for GGUF models through llama.cpp: on the CPU, or with `gpu_layers` of the
+    model (and their KV cache) in GPU memory when llama.cpp was built with CUDA."""
 
     def __init__(
         self,
@@ -191,6 +192,7 @@ class LlamaCppEngine:
         prefix_cache: bool | None = None,
         repack: bool | None = None,
         kv_unified: bool = False,
+        gpu_layers: int = 0,
         observer: StepObserver | None = None,
     ) -> None:
         if not 1 <= capacity <= 256:
@@ -220,6 +222,8 @@ class LlamaCppEngine:
         self._prefix_cache = (not deterministic) if prefix_cache is None else prefix_cache
         self._repack = (not deterministic) if repack is None else repack
         self._deterministic = deterministic
+        # Layers in device memory; their KV cache goes with them (llama.cpp's offload_kqv).
+        self._gpu_layers = gpu_layers
         # One KV pool for all sequences (llama-server's -kvu): a batch is one micro-batch
         # whatever its mix of sequences; per-sequence streams need equal-length splits.
         # Never in deterministic mode: attention would span other sequences' (masked) cells.
@@ -271,7 +275,11 @@ class LlamaCppEngine:
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
         mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP  # share pages with prewarm's copy
-        mparams.n_gpu_layers = 0
+        mparams.n_gpu_layers = self._gpu_layers
+        if self._gpu_layers and not ll.llama_supports_gpu_offload():
+            # A CPU-only build asked to offload (the CPU image on a GPU node): serve anyway,
+            # slowly, and say why in the log rather than refuse.
+            log.warning("gpu_layers=%d but this llama.cpp has no GPU backend", self._gpu_layers)
         # Repacked weights (AVX2 gemm on 4/8 columns, gemv for the rest) are faster and round
         # differently for one token than for several: off in deterministic mode. Where the CPU
         # has no repacked kernels llama.cpp keeps the plain layout.
@@ -307,7 +315,8 @@ class LlamaCppEngine:
             )
         log.info(
             "llama.cpp engine ready: %s, capacity %d, %d tokens/sequence, %d thread(s), %s, "
-            "%d prompt tokens per step, prefix cache %s, repacked weights %s",
+            "%d prompt tokens per step, prefix cache %s, repacked weights %s, %d GPU layers "
+            "(GPU offload %s)",
             self._path.name,
             self._capacity,
             self.info.context_length,
@@ -318,6 +327,8 @@ class LlamaCppEngine:
             self._step_tokens,
             "on" if self._prefix_cache else "off",
             "allowed" if self._repack else "off",
+            self._gpu_layers,
+            "supported" if ll.llama_supports_gpu_offload() else "not built in",
         )
 
     @property

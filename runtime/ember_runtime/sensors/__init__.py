@@ -1,7 +1,8 @@
 """Temperature sensors for the runtime's metrics and its thermal governor.
 
 Every source implements `TemperatureSource.read() -> {name: °C}`: Linux thermal zones (sysfs),
-NVIDIA GPUs (NVML), Ascend NPUs (`npu-smi info`). `build_source(config.sensors)` combines the
+NVIDIA GPUs (NVML; power and SM clock through `telemetry_of`), Ascend NPUs (`npu-smi info`).
+`build_source(config.sensors)` combines the
 configured ones behind an EWMA; `Sampler` reads any source on a background thread. A source
 that cannot work here (no driver, no tool, no sysfs) gives no reading; `problems_of(source)` says
 why, and the runtime reports it (reason `SensorUnavailable`) instead of failing.
@@ -10,9 +11,11 @@ why, and the runtime reports it (reason `SensorUnavailable`) instead of failing.
 from ember_runtime.sensors.base import (
     Diagnosed,
     SensorUnavailableError,
+    Telemetered,
     TemperatureSource,
     hottest,
     problems_of,
+    telemetry_of,
 )
 from ember_runtime.sensors.sampler import (
     CompositeSource,
@@ -34,9 +37,11 @@ __all__ = [
     "Sampler",
     "SensorUnavailableError",
     "SmoothedSource",
+    "Telemetered",
     "TemperatureSource",
     "ThermalZoneReader",
     "build_source",
     "hottest",
     "problems_of",
+    "telemetry_of",
 ]

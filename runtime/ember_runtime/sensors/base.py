@@ -29,6 +29,19 @@ class Diagnosed(Protocol):
         """{source name: why it gave no reading at the last read}; empty when all work."""
 
 
+@runtime_checkable
+class Telemetered(Protocol):
+    """A source that reads more than temperatures (NVML: power, SM clock) at each `read()`."""
+
+    def telemetry(self) -> dict[str, dict[str, float]]:
+        """{sensor name: {quantity: value}} as of the last read, e.g.
+        {"gpu0": {"power_watts": 112.0, "sm_clock_mhz": 1980.0}}; empty before any read."""
+
+
+def telemetry_of(source: TemperatureSource) -> dict[str, dict[str, float]]:
+    return source.telemetry() if isinstance(source, Telemetered) else {}
+
+
 def problems_of(source: TemperatureSource) -> dict[str, str]:
     return source.problems() if isinstance(source, Diagnosed) else {}
 

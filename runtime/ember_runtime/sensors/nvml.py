@@ -1,8 +1,9 @@
 """NVIDIA GPUs through NVML (`nvidia-ml-py`, imported as `pynvml` only when this source is used).
 
-Besides temperature, NVML says *why* a GPU is slow: the SM clock and the clock-event ("throttle")
-reasons. Those go to `details()` for metrics and logs; `read()` returns temperatures only, like
-every other source. Without the package, the driver or a GPU, construction raises
+Besides temperature, NVML says what a GPU draws and *why* it is slow: board power, the SM clock
+and the clock-event ("throttle") reasons. Those go to `details()`; `read()` returns temperatures
+only, like every other source, and keeps power and clock for `telemetry()` (the runtime's
+`/metrics`). Without the package, the driver or a GPU, construction raises
 `SensorUnavailableError` with the reason; so does `read()` once every GPU has fallen off the bus.
 `build_source` wraps this reader in `Retrying`: the runtime serves without a GPU temperature and
 reports why (reason `SensorUnavailable` on its `ember.dev/Thermal` condition) instead of
@@ -44,6 +45,7 @@ class GpuReading:
     temperature_celsius: float
     sm_clock_mhz: int
     throttle_reasons: tuple[str, ...]
+    power_watts: float | None = None  # None where the board has no power sensor (NotSupported)
 
 
 def decode_reasons(mask: int) -> tuple[str, ...]:
@@ -82,6 +84,7 @@ class NvmlReader:
             self.close()
             raise SensorUnavailableError("NVML sees no GPU (is one allocated to this container?)")
         self._failing: set[int] = set()
+        self._last: list[GpuReading] = []
 
     def close(self) -> None:
         try:
@@ -96,6 +99,14 @@ class NvmlReader:
             getter = self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons
         return int(getter(handle))
 
+    def _power(self, handle: Any) -> float | None:
+        # Milliwatts. Jetson-class and some passively cooled boards have no power sensor:
+        # that is no reason to drop the GPU's temperature.
+        try:
+            return int(self._nvml.nvmlDeviceGetPowerUsage(handle)) / 1000.0
+        except self._nvml.NVMLError_NotSupported:
+            return None
+
     def details(self) -> list[GpuReading]:
         """Every GPU that answers; `SensorUnavailableError` when none does."""
         out, errors = [], {}
@@ -105,11 +116,12 @@ class NvmlReader:
                 temp = float(self._nvml.nvmlDeviceGetTemperature(handle, NVML_TEMPERATURE_GPU))
                 clock = int(self._nvml.nvmlDeviceGetClockInfo(handle, NVML_CLOCK_SM))
                 mask = self._reasons(handle)
+                power = self._power(handle)
             except self._nvml.NVMLError as exc:  # a GPU fell off the bus: report the others
                 errors[index] = str(exc)
                 continue
             text = name.decode() if isinstance(name, bytes) else str(name)
-            out.append(GpuReading(index, text, temp, clock, decode_reasons(mask)))
+            out.append(GpuReading(index, text, temp, clock, decode_reasons(mask), power))
         if set(errors) != self._failing:  # log changes only: reads run several times a second
             for index in sorted(set(errors) - self._failing):
                 log.warning("gpu%d: NVML read failed: %s", index, errors[index])
@@ -121,8 +133,18 @@ class NvmlReader:
         return out
 
     def read(self) -> dict[str, float]:
+        self._last = self.details()
         return {
             f"gpu{r.index}": r.temperature_celsius
-            for r in self.details()
+            for r in self._last
             if plausible(r.temperature_celsius)
         }
+
+    def telemetry(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for r in self._last:
+            values = {"sm_clock_mhz": float(r.sm_clock_mhz)}
+            if r.power_watts is not None:
+                values["power_watts"] = r.power_watts
+            out[f"gpu{r.index}"] = values
+        return out

@@ -23,6 +23,7 @@ from ember_runtime.sensors.base import (
     TemperatureSource,
     hottest,
     problems_of,
+    telemetry_of,
 )
 from ember_runtime.sensors.npu_smi import NpuSmiReader
 from ember_runtime.sensors.nvml import NvmlReader
@@ -102,6 +103,9 @@ class Retrying:
             raise SensorUnavailableError(self._error or f"{self.name} not started")
         return source.read()
 
+    def telemetry(self) -> dict[str, dict[str, float]]:
+        return {} if self._source is None else telemetry_of(self._source)
+
 
 class CompositeSource:
     """Several sources read as one. A failing source gives no reading, the others still count,
@@ -134,6 +138,12 @@ class CompositeSource:
     def problems(self) -> dict[str, str]:
         return dict(self._problems)
 
+    def telemetry(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for source in self._sources:
+            out.update(telemetry_of(source))
+        return out
+
 
 class SmoothedSource:
     """A source whose every `read()` is one EWMA step: drop-in for the runtime's polling loop."""
@@ -150,6 +160,9 @@ class SmoothedSource:
 
     def problems(self) -> dict[str, str]:
         return problems_of(self._source)
+
+    def telemetry(self) -> dict[str, dict[str, float]]:
+        return telemetry_of(self._source)  # raw, not smoothed: power moves by the millisecond
 
 
 def build_source(settings: SensorSettings) -> SmoothedSource:

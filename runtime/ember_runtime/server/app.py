@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from ember_runtime.config import RuntimeConfig
 from ember_runtime.engines.base import Engine, StepObserver
-from ember_runtime.sensors import TemperatureSource, build_source
+from ember_runtime.sensors import TemperatureSource, build_source, telemetry_of
 from ember_runtime.server import admin, errors, routes
 from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.middleware import BodyLimit, RequestCounter
@@ -57,6 +57,7 @@ def build_engine(
         prefix_cache=modes.prefix_cache,
         repack=modes.repack,
         kv_unified=modes.kv_unified,
+        gpu_layers=config.engine.offloaded_layers(config.accelerator),
         observer=observer,
     )
 
@@ -113,6 +114,7 @@ def create_app(
     def on_sample(temps: dict[str, float]) -> None:
         state.temperatures = temps
         metrics.set_temperatures(temps)
+        metrics.set_telemetry(telemetry_of(source))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

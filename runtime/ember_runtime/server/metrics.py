@@ -60,6 +60,14 @@ class Metrics:
         self.temperature = Gauge(
             "ember_device_temperature_celsius", "Last reading per sensor.", ["sensor"], registry=r
         )
+        # NVML's other readings (sensors.nvml): what the GPU draws and how fast it clocks, so a
+        # throttled GPU is told apart from a busy one.
+        self.gpu_power = Gauge(
+            "ember_gpu_power_watts", "Board power per GPU (NVML).", ["sensor"], registry=r
+        )
+        self.gpu_sm_clock = Gauge(
+            "ember_gpu_sm_clock_mhz", "SM clock per GPU (NVML).", ["sensor"], registry=r
+        )
 
     def bind_engine(self, state: Callable[[], EngineState]) -> None:
         """Gauges read the engine at scrape time rather than being pushed every step."""
@@ -75,3 +83,11 @@ class Metrics:
     def set_temperatures(self, temps: dict[str, float]) -> None:
         for sensor, celsius in temps.items():
             self.temperature.labels(sensor=sensor).set(celsius)
+
+    def set_telemetry(self, telemetry: dict[str, dict[str, float]]) -> None:
+        gauges = {"power_watts": self.gpu_power, "sm_clock_mhz": self.gpu_sm_clock}
+        for sensor, values in telemetry.items():
+            for quantity, value in values.items():
+                gauge = gauges.get(quantity)
+                if gauge is not None:
+                    gauge.labels(sensor=sensor).set(value)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The whole GPU benchmark in one command on the GPU machine (issue 17), repeatable:
+#
+#   GPU_DIR=.gpu OUT=/tmp/out bash bench/gpu_run.sh [TOTAL_SECONDS]
+#
+# GPU_DIR holds what the machine cannot download: `llama.cpp.tar.xz` (llama-cpp-python's
+# vendored llama.cpp, models/ docs/ tests/ and other backends removed), `llama_cpp_py.tgz`
+# (the pinned llama-cpp-python's Python package, no binaries), `whl/` (wheels for the Python
+# packages its image lacks: pydantic, FastAPI, uvicorn, sse-starlette, gguf, ...) and `wt/`
+# (this repo's runtime/ and bench/). Optional `art/` holds a previous call's build
+# (art.tar.xz.part-*), which skips the ~5 min CUDA build. Results go to $OUT/gpu_bench.* and
+# $OUT/gpu_thermal.png; a new build's binaries to $OUT/art.tar.xz.part-* when they fit.
+set -euo pipefail
+total=${1:-570}
+start=$(date +%s)
+gpu=$(realpath "${GPU_DIR:-.gpu}")
+out=${OUT:?set OUT}
+tmp=/tmp/ember-gpu
+build=$tmp/build
+site=$tmp/site
+mkdir -p "$tmp" "$site"
+# Server logs (in $OUT/work) are shown, not brought back: $OUT returns 8 files at most.
+trap 'tail -n 15 "$out"/work/*.log 2>/dev/null; rm -rf "$out/work"' EXIT
+nvidia-smi --query-gpu=name,driver_version,temperature.gpu,power.draw,clocks.sm --format=csv
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$site" "$gpu"/whl/*.whl
+tar -C "$site" -xzf "$gpu/llama_cpp_py.tgz"
+
+if compgen -G "$gpu/art/art.tar.xz.part-*" >/dev/null; then
+  mkdir -p "$build/bin"
+  cat "$gpu"/art/art.tar.xz.part-* | tar -C "$build/bin" -xJf -
+  echo "using the carried build"
+else
+  JOBS=${JOBS:-16} bash "$gpu/wt/bench/gpu_build.sh" "$gpu/llama.cpp.tar.xz" "$build" 90
+  # Keep the build for a later call when it fits what comes back from $OUT (3 x 15 MiB).
+  (cd "$build/bin" && tar -cf - llama-server ./*.so* | xz -T0 -6 | split -b 15M - "$out/art.tar.xz.part-")
+  if [ "$(ls "$out"/art.tar.xz.part-* | wc -l)" -gt 3 ]; then
+    echo "build too large to bring back: $(du -ch "$out"/art.tar.xz.part-* | tail -1)"
+    rm -f "$out"/art.tar.xz.part-*
+  fi
+fi
+# llama-cpp-python loads libllama.so (and libggml.so) from its package's lib/: the CUDA build.
+ln -sfn "$build/bin" "$site/llama_cpp/lib"
+export LD_LIBRARY_PATH="$build/bin:${LD_LIBRARY_PATH:-}"
+# The libstdc++ llama.cpp was linked against must be the process's first: the image's Python
+# extensions otherwise load another one before llama_cpp, and llama.cpp's model-info logging
+# (std::ostream) segfaults in it (seen on the H200 image: crash in llama_model::print_info).
+LD_PRELOAD=$(ldd "$build/bin/libllama.so" | awk '/libstdc\+\+/ {print $3}')
+export LD_PRELOAD
+echo "LD_PRELOAD=$LD_PRELOAD"
+export PYTHONPATH="$gpu/wt/runtime:$gpu/wt:$site"
+export PYTHONUNBUFFERED=1
+python3 -c "import llama_cpp as l; print('llama-cpp-python', l.__version__, 'GPU offload:', l.llama_supports_gpu_offload())"
+
+left=$(( total - ($(date +%s) - start) - 20 ))
+echo "benchmark budget: $left s"
+python3 "$gpu/wt/bench/gpu_bench.py" --llama-server "$build/bin/llama-server" \
+  --models "$tmp/models" --out "$out" --deadline "$left" ${BENCH_ARGS:-}
