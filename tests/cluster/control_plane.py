@@ -203,6 +203,7 @@ class ControlPlane:
                 f"--audit-policy-file={audit_policy}",
                 f"--audit-log-path={self.procs.logs / 'audit.log'}",
                 "--audit-log-maxsize=200",
+                "--audit-log-maxbackup=1",  # a day of tests wrote 1.6 GB of rotated logs
                 "--audit-log-mode=batch",
                 "--audit-log-batch-max-wait=1s",
                 "--profiling=false",
