@@ -39,6 +39,7 @@ from ember_operator.reconcile import (
     Context,
     apply_children,
     child_ids,
+    child_unchanged,
     correct_child,
     first,
     key_of,
@@ -98,12 +99,6 @@ def _host(host: str) -> str:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    # Progress and diff-base go to annotations under our prefix: the structural schema would
-    # prune anything Kopf wrote into status, and status is the status writer's alone.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
     # Kopf would post an Event for every handler success; only warnings are worth a write.
     settings.posting.level = logging.WARNING
     # Re-open watches before idle load balancers silently drop them (kopf docs, "Configuration").
@@ -391,21 +386,6 @@ async def pod_event(**kwargs: Any) -> None:
 # ----------------------------------------------------------------------------- children
 
 
-def _unchanged(ctx: Context, key: tuple[str, str], kind: str, live: Mapping[str, Any]) -> bool:
-    """The child as we wrote or last checked it (or only its status moved): nothing to repair.
-    Cheap, so it runs on the event loop; only the rest goes to a thread."""
-    owner = first(ctx.indexes.get("infd_index"), key)
-    if owner is None or owner["metadata"].get("deletionTimestamp"):
-        return True  # the owner is going away: garbage collection deletes its children
-    try:
-        child = planned(ctx, owner).children.get(kind)
-    except ValidationError:
-        return True  # the owner's own reconcile reports InvalidSpec
-    if child is None:
-        return False  # unwanted (a PDB after scaling to one): to be deleted
-    return ctx.applier.verified((kind, key[0], child.name), child.digest, live)
-
-
 async def _on_child_event(kind: str, kwargs: Mapping[str, Any]) -> None:
     """Drift repair, from the child's own watch: a deleted child is re-created, a hand-edited
     one re-applied, an unwanted one (a PDB after scaling to one) deleted. Rollout progress and
@@ -419,7 +399,7 @@ async def _on_child_event(kind: str, kwargs: Mapping[str, Any]) -> None:
     gone = kwargs["event"].get("type") == "DELETED"
     if kind == "Deployment" and not gone:
         ctx.refreshes.mark(key)
-    if not gone and _unchanged(ctx, key, kind, kwargs["body"]):
+    if not gone and child_unchanged(ctx, key, kind, kwargs["body"], ctx.indexes):
         return
     body = None if gone else dict(kwargs["body"])
     try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kubernetes.client import ApiClient
+from pydantic import ValidationError
 
 from ember_operator import render, sizing
 from ember_operator.api.models import InferenceDeploymentSpec, ThermalPolicy, parse_spec
@@ -23,7 +24,7 @@ from ember_operator.status_writer import StatusWriter
 from ember_operator.thermal.nodes import HotNodes
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
-RENDER_CACHE_SIZE = 4096
+PLAN_CACHE_SIZE = 4096
 # How long pod and Deployment events for one object are gathered into one status write: well
 # inside the 2 s a thermal change may take to reach status, and a replica's start-up events
 # (scheduled, running, ready) mostly fall into one window.
@@ -63,7 +64,7 @@ class Context:
     settings: OperatorSettings
     writer: StatusWriter
     hot: HotNodes
-    renders: OrderedDict[tuple[str, int], Plan] = field(default_factory=OrderedDict)
+    plans: OrderedDict[tuple[str, int], Plan] = field(default_factory=OrderedDict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     identities: set[str] = field(default_factory=set)  # namespaces with the runtime's SA
     requeue: Requeue = field(default_factory=Requeue)
@@ -111,9 +112,9 @@ def planned(ctx: Context, body: Mapping[str, Any]) -> Plan:
     meta = body["metadata"]
     key = (meta["uid"], int(meta.get("generation", 0)))
     with ctx.lock:
-        if key in ctx.renders:
-            ctx.renders.move_to_end(key)
-            return ctx.renders[key]
+        if key in ctx.plans:
+            ctx.plans.move_to_end(key)
+            return ctx.plans[key]
     spec = parse_spec(body["spec"])
     sized = sizing.compute(spec, ctx.settings, sizing.find_gguf_shape(spec, ctx.settings))
     children = {
@@ -122,9 +123,9 @@ def planned(ctx: Context, body: Mapping[str, Any]) -> Plan:
     }
     plan = Plan(spec, sized, children, render.problems(spec, sized))
     with ctx.lock:
-        ctx.renders[key] = plan
-        while len(ctx.renders) > RENDER_CACHE_SIZE:
-            ctx.renders.popitem(last=False)
+        ctx.plans[key] = plan
+        while len(ctx.plans) > PLAN_CACHE_SIZE:
+            ctx.plans.popitem(last=False)
     return plan
 
 
@@ -184,6 +185,43 @@ def pods_of(indexes: Mapping[str, Any], key: tuple[str, str]) -> list[Mapping[st
     return list(pod_index[key]) if pod_index is not None and key in pod_index else []
 
 
+def _wanted(
+    ctx: Context, key: tuple[str, str], kind: str, indexes: Mapping[str, Any]
+) -> tuple[Mapping[str, Any], Plan, Child | None] | None:
+    """The owner, its plan and the child of `kind` it wants (None: it wants none, e.g. no PDB
+    at one replica); None when nothing is to be done — the owner is going away (garbage
+    collection deletes its children) or its spec cannot be served (a running generation is
+    left alone). Raises ValidationError for a spec the owner's own reconcile reports."""
+    owner = first(indexes.get("infd_index"), key)
+    if owner is None or owner["metadata"].get("deletionTimestamp"):
+        return None
+    plan = planned(ctx, owner)
+    if plan.problems:
+        return None
+    return owner, plan, plan.children.get(kind)
+
+
+def child_unchanged(
+    ctx: Context,
+    key: tuple[str, str],
+    kind: str,
+    live: Mapping[str, Any],
+    indexes: Mapping[str, Any],
+) -> bool:
+    """The child as we wrote or last checked it (or only its status moved): nothing to repair.
+    No API call, so the watch handler runs it on the event loop; only the rest takes a thread."""
+    try:
+        wanted = _wanted(ctx, key, kind, indexes)
+    except ValidationError:
+        return True
+    if wanted is None:
+        return True
+    child = wanted[2]
+    if child is None:
+        return False  # unwanted: to be deleted
+    return ctx.applier.verified((kind, key[0], child.name), child.digest, live)
+
+
 def correct_child(
     ctx: Context,
     key: tuple[str, str],
@@ -193,13 +231,10 @@ def correct_child(
 ) -> str | None:
     """A child's watch event (`live` None: it was deleted): put it back the way the owner's
     current spec wants it. Returns what was done, if anything."""
-    owner = first(indexes.get("infd_index"), key)
-    if owner is None or owner["metadata"].get("deletionTimestamp"):
-        return None  # the owner is going away; garbage collection deletes its children
-    plan = planned(ctx, owner)
-    if plan.problems:
-        return None  # a running generation is left alone while the spec cannot be served
-    child = plan.children.get(kind)
+    wanted = _wanted(ctx, key, kind, indexes)
+    if wanted is None:
+        return None
+    owner, plan, child = wanted
     with ctx.owner_lock(key):
         if child is None:
             if live is None:

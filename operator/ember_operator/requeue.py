@@ -1,5 +1,5 @@
-"""Delayed work by object key, one small table and one task each for all objects: retries of
-failed reconciles (`Requeue`) and coalesced status refreshes (`Coalescer`).
+"""Delayed work by object key, one small table (`DueTable`) and one task each for all objects:
+retries of failed reconciles (`Requeue`) and coalesced status refreshes (`Coalescer`).
 
 Kopf retries only its state-keeping handlers (create/update/resume), and those cost a finalizer
 and annotation writes on every object (see `handlers`). Ember reconciles from watch events, which
@@ -15,8 +15,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 Key = tuple[str, str]
+V = TypeVar("V")
 MAX_BACKOFF_SECONDS = 300.0
 TICK_SECONDS = 0.5  # a constant cost (one dict scan), not per object
 
@@ -28,33 +30,44 @@ def backoff(attempt: int) -> float:
     return float(min(MAX_BACKOFF_SECONDS, 5 * 2 ** min(attempt, 6)))
 
 
-class Requeue:
+class DueTable(Generic[V]):
+    """Key -> (monotonic due time, value), thread-safe; what both tables below are made of."""
+
     def __init__(self) -> None:
-        self._due: dict[Key, tuple[float, int]] = {}  # key -> (monotonic due time, attempt)
+        self._due: dict[Key, tuple[float, V]] = {}
         self._lock = threading.Lock()
 
-    def later(self, key: Key, attempt: int) -> float:
-        """Schedule attempt number `attempt + 1`; returns the delay."""
-        delay = backoff(attempt)
+    def put(self, key: Key, at: float, value: V, *, keep_earlier: bool = False) -> None:
         with self._lock:
-            self._due[key] = (time.monotonic() + delay, attempt + 1)
-        return delay
+            if keep_earlier and key in self._due:
+                return
+            self._due[key] = (at, value)
 
     def clear(self, key: Key) -> None:
         with self._lock:
             self._due.pop(key, None)
 
-    def pending(self) -> dict[Key, int]:
+    def pending(self) -> dict[Key, V]:
         with self._lock:
-            return {k: attempt for k, (_, attempt) in self._due.items()}
+            return {k: value for k, (_, value) in self._due.items()}
 
-    def take_due(self, now: float | None = None) -> list[tuple[Key, int]]:
+    def take_due(self, now: float | None = None) -> list[tuple[Key, V]]:
         now = time.monotonic() if now is None else now
         with self._lock:
-            due = [(k, attempt) for k, (at, attempt) in self._due.items() if at <= now]
+            due = [(k, value) for k, (at, value) in self._due.items() if at <= now]
             for k, _ in due:
                 del self._due[k]
         return due
+
+
+class Requeue(DueTable[int]):
+    """Failed reconciles by key, with the attempt number their retry will be."""
+
+    def later(self, key: Key, attempt: int) -> float:
+        """Schedule attempt number `attempt + 1`; returns the delay."""
+        delay = backoff(attempt)
+        self.put(key, time.monotonic() + delay, attempt + 1)
+        return delay
 
     async def run(self, work: Callable[[Key, int], None]) -> None:
         """Call `work(key, attempt)` in a thread for each entry that falls due."""
@@ -67,36 +80,31 @@ class Requeue:
             await asyncio.sleep(TICK_SECONDS)
 
 
-class Coalescer:
+class Coalescer(DueTable[None]):
     """Status refreshes, coalesced: the first mark of an object opens a short window, marks within
     it join it, and one refresh at its end writes what all of them changed. A replica coming up
     is four or five pod and Deployment events within a second or two (created, scheduled,
     running, ready); without this each could be its own status write."""
 
-    def __init__(self, window: float) -> None:
-        self.window = window
-        self._due: dict[Key, float] = {}
-        self._lock = threading.Lock()
+    def __init__(self, window: float, parallel: int = 4) -> None:
+        super().__init__()
+        self.window, self.parallel = window, parallel
 
     def mark(self, key: Key) -> None:
-        with self._lock:
-            self._due.setdefault(key, time.monotonic() + self.window)
-
-    def take_due(self, now: float | None = None) -> list[Key]:
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            due = [k for k, at in self._due.items() if at <= now]
-            for k in due:
-                del self._due[k]
-        return due
+        self.put(key, time.monotonic() + self.window, None, keep_earlier=True)
 
     async def run(self, work: Callable[[list[Key]], None], tick: float = 0.1) -> None:
-        """Call `work(keys)` in a thread with the keys whose window has closed."""
+        """Call `work(keys)` with the keys whose window has closed, split over `parallel`
+        threads: each write is a round trip to the API server, and at fleet scale a rollout
+        closes hundreds of windows at once — one thread writing them in turn made the last
+        object's status trail its Deployment by seconds."""
         while True:
-            due = self.take_due()
-            if due:
-                try:
-                    await asyncio.to_thread(work, due)
-                except Exception:
-                    log.exception("status refresh of %d objects failed", len(due))
+            due = [key for key, _ in self.take_due()]
+            chunks = [due[i :: self.parallel] for i in range(self.parallel) if due[i:]]
+            results = await asyncio.gather(
+                *(asyncio.to_thread(work, chunk) for chunk in chunks), return_exceptions=True
+            )
+            for result in results:
+                if isinstance(result, Exception):
+                    log.error("status refresh failed", exc_info=result)
             await asyncio.sleep(tick)

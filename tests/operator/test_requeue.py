@@ -1,11 +1,13 @@
-"""The retry table: backoff, one entry per object, cleared by a success."""
+"""The delayed-work tables: retries (backoff, one entry per object, cleared by a success) and
+coalesced status refreshes."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
-from ember_operator.requeue import MAX_BACKOFF_SECONDS, Requeue, backoff
+from ember_operator.requeue import MAX_BACKOFF_SECONDS, Coalescer, Requeue, backoff
 
 
 def test_backoff_doubles_and_is_capped() -> None:
@@ -39,7 +41,7 @@ def test_run_calls_the_work_for_due_entries() -> None:
 
     async def main() -> None:
         queue.later(("ns", "a"), attempt=0)
-        queue._due[("ns", "a")] = (0.0, 1)  # due now, without waiting 5 s
+        queue.put(("ns", "a"), 0.0, 1)  # due now, without waiting 5 s
         task = asyncio.create_task(queue.run(lambda key, attempt: done.append((key, attempt))))
         for _ in range(40):
             if done:
@@ -49,3 +51,38 @@ def test_run_calls_the_work_for_due_entries() -> None:
 
     asyncio.run(main())
     assert done == [(("ns", "a"), 1)]
+
+
+def test_marks_within_a_window_join_it() -> None:
+    refreshes = Coalescer(window=10.0)
+    refreshes.mark(("ns", "a"))
+    first = refreshes.pending()
+    refreshes.mark(("ns", "a"))  # a later mark does not push the window's end out
+    assert refreshes.take_due() == [] and refreshes.pending() == first
+    assert refreshes.take_due(now=time.monotonic() + 10.0) == [(("ns", "a"), None)]
+
+
+def test_due_refreshes_are_written_in_parallel_chunks() -> None:
+    """At fleet scale a rollout closes hundreds of windows at once: the writes run on
+    `parallel` threads at the same time (a barrier only they can pass), every key once."""
+    refreshes = Coalescer(window=0.0, parallel=4)
+    keys = [("ns", f"o{i}") for i in range(10)]
+    barrier = threading.Barrier(4, timeout=5)
+    written: list[tuple[str, str]] = []
+
+    def work(chunk: list[tuple[str, str]]) -> None:
+        barrier.wait()  # raises BrokenBarrierError if the chunks ran one after another
+        written.extend(chunk)
+
+    async def main() -> None:
+        for key in keys:
+            refreshes.mark(key)
+        task = asyncio.create_task(refreshes.run(work))
+        for _ in range(100):
+            if len(written) == len(keys):
+                break
+            await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(main())
+    assert sorted(written) == sorted(keys)
