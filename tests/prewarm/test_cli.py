@@ -198,8 +198,11 @@ def test_diagnose_failure_exit_code(make_setup: MakeSetup) -> None:
     s = make_setup({"model.gguf": b"m" * 1000}, accelerator="npu")
     (s.model_dir / "model.gguf").write_bytes(b"short")
 
-    table = run_cli("diagnose", "--config", s.config_path, "--dev-root", s.model_dir)
-    doc = json.loads(run_cli("diagnose", "--config", s.config_path, "--json").stdout)
+    # A device root of our own, not the machine's /dev: an NPU node (or the e2e's fake device
+    # nodes, left behind by a killed run) would pass the device check.
+    dev = ("--dev-root", s.model_dir)
+    table = run_cli("diagnose", "--config", s.config_path, *dev)
+    doc = json.loads(run_cli("diagnose", "--config", s.config_path, *dev, "--json").stdout)
 
     assert table.returncode == 1
     assert "❌ source files" in table.stdout
