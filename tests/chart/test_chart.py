@@ -22,9 +22,12 @@ def helm() -> str:
     return str(ensure_binaries() / "helm")
 
 
+NAMESPACE = "ember-system"
+
+
 def render(helm: str, *args: str) -> list[dict[str, Any]]:
     out = subprocess.run(
-        [helm, "template", "ember", str(CHART), "--namespace", "ember-system", *KUBE, *args],
+        [helm, "template", "ember", str(CHART), "--namespace", NAMESPACE, *KUBE, *args],
         check=True,
         capture_output=True,
         text=True,
@@ -93,7 +96,16 @@ def test_rbac_has_no_wildcards_and_no_secrets(helm: str) -> None:
             for key in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[key], rule
             assert "secrets" not in rule["resources"]
-    assert not by_kind(docs, "Role")
+    # The one namespaced Role: the node agent reads origin credentials by name (no list, no
+    # watch) in the release's own namespace, for spec.model.source.http.secretRef.
+    (role,) = by_kind(docs, "Role")
+    assert role["metadata"]["name"] == "ember-nodeagent-secrets"
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ember-nodeagent", "namespace": NAMESPACE}
+    ]
 
 
 def _rule(group: str, resources: list[str], verbs: list[str]) -> dict[str, Any]:
@@ -155,7 +167,9 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]}
     ]
     assert roles["nodeagent"]["rules"] == [
-        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}
+        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+        # The pods on its node (by field selector), for the http sources it fetches.
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     ]
     # The operator binds exactly the runtime's role, and no other.
     binds = [r for r in roles["operator"]["rules"] if "bind" in r["verbs"]]
