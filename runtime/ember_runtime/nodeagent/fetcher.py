@@ -198,6 +198,10 @@ class Fetcher:
 
     async def run(self) -> None:
         """Watch pods and retry failed downloads until cancelled."""
+        # Created up front: a pod's read-only mount of the cache needs the directory to exist.
+        self.cache.blobs.mkdir(parents=True, exist_ok=True)
+        self.cache.blobs.chmod(0o755)
+        self.cache.root.chmod(0o755)
         watcher = asyncio.create_task(self.watch_pods())
         try:
             while True:
