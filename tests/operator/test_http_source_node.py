@@ -69,28 +69,38 @@ def agent(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[subprocess.Pop
         sys.executable,
         "-m",
         "ember_runtime.nodeagent",
-        f"--node-name={NODE_NAME}",
+        f"--node_name={NODE_NAME}",
         f"--server={kube.api.configuration.host}",
-        f"--token-file={sa / 'token'}",
-        f"--ca-file={sa / 'ca.crt'}",
-        f"--cache-root={CACHE}",
+        f"--token_file={sa / 'token'}",
+        f"--ca_file={sa / 'ca.crt'}",
+        f"--cache_root={CACHE}",
         f"--namespace={namespace}",
-        f"--sysfs-root={tmp_path / 'sys'}",
-        "--interval-seconds=60",
+        f"--sysfs_root={tmp_path / 'sys'}",
+        "--interval_seconds=60",
     ]
-    log = (tmp_path / "agent.log").open("w")
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    log_path = tmp_path / "agent.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
+        # The agent creates the cache directory first thing (the pods' mount needs it).
+        wait_for(
+            "the node agent to start",
+            lambda: proc.poll() is not None or (CACHE / "sha256").is_dir(),
+            timeout=30,
+        )
+        assert proc.poll() is None, log_path.read_text()
         yield proc
     finally:
+        alive = proc.poll() is None
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, (tmp_path / "agent.log").read_text()
-        print((tmp_path / "agent.log").read_text())
+        code = proc.wait(timeout=30)
         for o in objects:
             if "namespace" not in o["metadata"]:
                 kube.kubectl(
                     "delete", o["kind"].lower(), o["metadata"]["name"], "--ignore-not-found"
                 )
+    print(log_path.read_text())
+    assert not alive or code == 0, log_path.read_text()  # SIGTERM stops it cleanly
 
 
 World = tuple[str, str, OriginState]  # runtime image, origin URL, origin state
