@@ -299,3 +299,32 @@ def test_every_image_comes_from_the_registry_make_push_fills(helm: str) -> None:
     pulled |= _images(pod)
     assert pulled <= pushed, f"pulled but never pushed: {sorted(pulled - pushed)}"
     assert pulled == pushed  # and every pushed image is used by the chart
+
+
+def test_node_agent_cache_is_its_own_and_the_operator_mounts_the_same_path(helm: str) -> None:
+    """The agent writes the cache hostPath; the operator renders prewarm's read-only mount of
+    the same directory; the only root in the chart's agent is the init container that hands the
+    directory to the agent's uid, with CHOWN and FOWNER and nothing else."""
+    docs = render(helm, "--set", "nodeAgent.cacheRoot=/srv/ember-cache")
+    (agent,) = [d for d in by_kind(docs, "DaemonSet") if "nodeagent" in d["metadata"]["name"]]
+    pod = agent["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["cache"]["hostPath"] == {"path": "/srv/ember-cache", "type": "DirectoryOrCreate"}
+    (init,) = pod["initContainers"]
+    sc = init["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert init["command"][-1] == str(pod["securityContext"]["runAsUser"])
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["EMBER_NODEAGENT_CACHE_ROOT"]["value"] == "/cache"
+    assert env["EMBER_NODEAGENT_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.namespace"
+    )
+    (operator,) = by_kind(docs, "Deployment")
+    op_env = {
+        e["name"]: e.get("value")
+        for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert op_env["EMBER_OPERATOR_NODE_CACHE_ROOT"] == "/srv/ember-cache"

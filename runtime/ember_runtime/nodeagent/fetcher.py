@@ -175,7 +175,9 @@ class Fetcher:
             self.pods[uid] = fetch
 
     async def watch_pods(self) -> None:
-        """List, then watch, this node's pods; start over after an expired watch or error."""
+        """List this node's pods, then watch from the list's version; a watch the API server
+        ends after WATCH_SECONDS resumes from the last event's version, and only an expired
+        version (410 Gone, an ERROR event) or a failure costs a new list."""
         params = {"fieldSelector": f"spec.nodeName={self.node}"}
         while True:
             try:
@@ -184,17 +186,26 @@ class Fetcher:
                     p["metadata"]["uid"]: f for p in listed["items"] if (f := model_fetch(p))
                 }
                 self.reconcile()
-                version = listed["metadata"]["resourceVersion"]
-                async for event in self.reader.watch(
-                    "/api/v1/pods", {**params, "resourceVersion": version}
-                ):
-                    if event.get("type") == "ERROR":  # e.g. 410 Gone: list again
-                        break
-                    self._apply(event)
-                    self.reconcile()
+                version: str | None = listed["metadata"]["resourceVersion"]
+                while version is not None:
+                    version = await self._watch_once(params, version)
             except (ApiError, httpx.HTTPError, ValueError, KeyError) as err:
                 log.warning("watching pods on %s: %s; listing again in 5s", self.node, err)
                 await asyncio.sleep(5)
+
+    async def _watch_once(self, params: dict[str, str], version: str) -> str | None:
+        """Apply one watch's events; the version to resume from, or None to list again."""
+        async for event in self.reader.watch(
+            "/api/v1/pods", {**params, "resourceVersion": version}
+        ):
+            if event.get("type") == "ERROR":  # e.g. 410 Gone: the version is too old
+                return None
+            version = ((event.get("object") or {}).get("metadata") or {}).get(
+                "resourceVersion", version
+            )
+            self._apply(event)
+            self.reconcile()
+        return version
 
     async def run(self) -> None:
         """Watch pods and retry failed downloads until cancelled."""
