@@ -192,3 +192,14 @@ def test_basic_auth_from_the_secret() -> None:
 def test_credentials_go_only_under_the_secrets_url_prefix(prefix: str, url: str) -> None:
     with pytest.raises(FetchError, match="urlPrefix"):
         auth_headers("hf", {"token": "t", "urlPrefix": prefix}, url)
+
+
+def test_interrupted_before_any_byte_leaves_no_partial(
+    cache: ContentCache, client: httpx.Client
+) -> None:
+    """The partial doubles as the download's lock file: an empty one is not kept."""
+    stop = threading.Event()
+    stop.set()
+    with serve({"m.gguf": DATA}) as (base, _), pytest.raises(InterruptedError):
+        cache.fetch(client, Want(f"{base}/m.gguf", SHA, SIZE), stop=stop)
+    assert _entries(cache) == []

@@ -158,6 +158,7 @@ def test_http_source_reaches_prewarm_success_with_no_file_placed_by_hand(
         assert state.bytes_sent == size  # one download, nothing fetched twice
     finally:
         _forget(MODEL_SHA256)
+        _forget(WRONG)
 
 
 def test_wrong_sha256_shows_checksum_mismatch_and_caches_nothing(
@@ -180,4 +181,7 @@ def test_wrong_sha256_shows_checksum_mismatch_and_caches_nothing(
         described = kube.kubectl("describe", "infd", "wrong", "-n", namespace)
         assert f"expected {WRONG[:12]}… got {MODEL_SHA256[:12]}…" in described, described
     finally:
+        # The agent watches every pod on the node: an earlier test's pod, still terminating,
+        # may have had it start on that model too.
         _forget(WRONG)
+        _forget(MODEL_SHA256)

@@ -136,9 +136,12 @@ class ContentCache:
                         f"{want.where()} expected {want.sha256[:12]}… got {digest[:12]}…",
                         reasons.CHECKSUM_MISMATCH,
                     )
-            except FetchError as err:
+            except BaseException as err:  # cleanup, then re-raised
                 # Unverifiable bytes are dropped at once; an empty partial is only our lock.
-                if err.reason != reasons.MODEL_DOWNLOAD_FAILED or os.fstat(fd).st_size == 0:
+                mismatch = (
+                    isinstance(err, FetchError) and err.reason != reasons.MODEL_DOWNLOAD_FAILED
+                )
+                if mismatch or os.fstat(fd).st_size == 0:
                     self.partial(want.sha256).unlink(missing_ok=True)
                 raise
             os.fsync(fd)
