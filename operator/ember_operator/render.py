@@ -16,7 +16,10 @@ import jinja2
 import yaml
 from ember_runtime import reasons
 from ember_runtime.config import (
+    MODEL_FETCH_ANNOTATION,
     EngineSettings,
+    FetchFile,
+    ModelFetch,
     ModelFile,
     RuntimeConfig,
     SensorSettings,
@@ -135,6 +138,7 @@ def runtime_config(
             ModelFile(path=f.path, sha256=f.sha256, size_bytes=f.size_bytes)
             for f in spec.model.files
         ],
+        model_layout="sha256" if spec.model.source.http is not None else "paths",
         prewarm_dir=settings.prewarm_mount if spec.prewarm.enabled else None,
         accelerator=spec.accelerator.kind.value,
         engine=EngineSettings(
@@ -267,8 +271,15 @@ def _prewarm_resources(
     return out
 
 
-def _model_volume(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+def _model_volume(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
     source = spec.model.source
+    if source.http is not None:
+        # The node agent's cache, read-only in the pod; the agent creates it (a missing one is
+        # the kubelet's FailedMount: no agent on that node).
+        return {
+            "name": "model",
+            "hostPath": {"path": settings.node_cache_root, "type": "Directory"},
+        }
     if source.host_path is not None:
         return {"name": "model", "hostPath": {"path": source.host_path.path, "type": "Directory"}}
     if source.pvc is not None:
@@ -291,7 +302,7 @@ def _volumes_and_mounts(
         model_mount["subPath"] = spec.model.source.pvc.sub_path
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_name(name)}},
-        _model_volume(spec),
+        _model_volume(spec, settings),
         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
     ]
     config_mount = {"name": "config", "mountPath": settings.config_mount, "readOnly": True}
@@ -364,6 +375,22 @@ def _env_vars(settings: OperatorSettings) -> list[dict[str, Any]]:
     return env
 
 
+def pod_annotations(spec: InferenceDeploymentSpec, config_hash: str) -> dict[str, str]:
+    """The pod template's annotations; an http source adds what the node agent must fetch."""
+    out = {"ember.dev/config-hash": config_hash}
+    http = spec.model.source.http
+    if http is not None:
+        fetch = ModelFetch(
+            secret_ref=http.secret_ref.name if http.secret_ref else None,
+            files=[
+                FetchFile(url=http.urls[f.path], sha256=f.sha256, size_bytes=f.size_bytes)
+                for f in spec.model.files
+            ],
+        )
+        out[MODEL_FETCH_ANNOTATION] = fetch.model_dump_json(by_alias=True, exclude_none=True)
+    return out
+
+
 def render(
     owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings, sizing: Sizing
 ) -> list[dict[str, Any]]:
@@ -393,7 +420,7 @@ def render(
         "sizing": sizing,
         "image": runtime_image(spec, settings),
         "config_data": data,
-        "config_hash": restart_hash(spec, settings, sizing),
+        "pod_annotations": pod_annotations(spec, restart_hash(spec, settings, sizing)),
         "node_selector": dict(spec.placement.node_selector),
         "tolerations": [
             t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations

@@ -54,6 +54,11 @@ class OperatorSettings(BaseSettings):
     )
     api_timeout_seconds: float = Field(default=30.0, gt=0)
     model_mount: str = "/models"
+    node_cache_root: str = Field(
+        default="/var/lib/ember/cache",
+        description="The node agent's content-addressed cache on every node (http sources): "
+        "mounted read-only where a hostPath source would be.",
+    )
     prewarm_mount: str = "/run/ember/prewarm"
     config_mount: str = "/etc/ember"
     run_as_user: int = 65532

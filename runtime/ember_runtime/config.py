@@ -46,6 +46,24 @@ class ModelFile(_Wire):
     size_bytes: int = Field(ge=0)
 
 
+# On a pod whose model comes from an http source: what the node agent must fetch for it (a
+# `ModelFetch` as JSON). The agent reads it from the pods on its node; prewarm waits for it.
+MODEL_FETCH_ANNOTATION = "ember.dev/model-fetch"
+
+
+class FetchFile(_Wire):
+    url: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size_bytes: int = Field(ge=1)
+
+
+class ModelFetch(_Wire):
+    secret_ref: str | None = Field(
+        default=None, description="Secret in the node agent's namespace with credentials."
+    )
+    files: list[FetchFile]
+
+
 class EngineSettings(_Wire):
     kind: Literal["llamacpp", "tensorrt-llm"] = "llamacpp"
     context_length: int = Field(default=2048, ge=64)
@@ -332,6 +350,17 @@ class RuntimeConfig(_Wire):
     format: Literal["gguf", "trtllm-engine"] = "gguf"
     model_dir: str = Field(description="Where the model's files are mounted (the source).")
     files: list[ModelFile] = Field(default_factory=list)
+    model_layout: Literal["paths", "sha256"] = Field(
+        default="paths",
+        description="paths: each file at model_dir/<path>; sha256: model_dir is the node "
+        "agent's content-addressed cache, each file at model_dir/sha256/<digest> (http source).",
+    )
+    model_wait_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        description="sha256 layout: how long prewarm waits for the node agent to fetch the files "
+        "before it exits with ModelDownloading (the kubelet then starts it again).",
+    )
     prewarm_dir: str | None = Field(
         default=None, description="Memory-backed directory that prewarm fills; None: no prewarm."
     )
@@ -345,14 +374,27 @@ class RuntimeConfig(_Wire):
     def total_bytes(self) -> int:
         return sum(f.size_bytes for f in self.files)
 
+    def source_file(self, file: ModelFile) -> Path:
+        """Where `file` is read from on the model volume."""
+        if self.model_layout == "sha256":
+            return Path(self.model_dir) / "sha256" / file.sha256
+        return Path(self.model_dir) / file.path
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
 
     def restart_relevant_yaml(self) -> str:
         """The config without its thermal policy: what the pod template's hash covers, so a
         policy change is reloaded by running replicas instead of rolling them."""
-        data = self.model_dump(mode="json", by_alias=True, exclude={"thermal"})
+        # Fields at their defaults are left out, so adding a field does not roll every
+        # existing replica when the operator is upgraded.
+        exclude = {"thermal"} | {k for k in _NEWER_FIELDS if getattr(self, k) == _DEFAULTS[k]}
+        data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
         return yaml.safe_dump(data, sort_keys=False)
+
+
+_NEWER_FIELDS = ("model_layout", "model_wait_seconds")
+_DEFAULTS = {k: RuntimeConfig.model_fields[k].default for k in _NEWER_FIELDS}
 
 
 def load_config(path: str | Path | None = None) -> RuntimeConfig:

@@ -104,6 +104,19 @@ PREWARM_FAILED = _define(
     "Prewarm exited without a known reason (message: its last output). Read "
     "`kubectl logs <pod> -c prewarm`.",
 )
+MODEL_DOWNLOADING = _define(
+    "ModelDownloading",
+    PREWARM,
+    "An `http` source's files are still being fetched into the node's cache by the node agent "
+    "(message: bytes done). Nothing to do unless it lasts: then check `kubectl logs` of the "
+    "`ember-nodeagent` pod on that node and the origin's reachability.",
+)
+MODEL_DOWNLOAD_FAILED = _define(
+    "ModelDownloadFailed",
+    PREWARM,
+    "The node agent could not fetch an `http` source's file (message: the URL's host and the "
+    "origin's answer, e.g. HTTP 404 or 401). Fix the URL, the origin, or `secretRef`'s Secret.",
+)
 # --- runtime (serving container) ------------------------------------------------------------
 ENGINE_MEMORY_OVER_LIMIT = _define(
     "EngineMemoryOverLimit",

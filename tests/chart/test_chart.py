@@ -22,9 +22,12 @@ def helm() -> str:
     return str(ensure_binaries() / "helm")
 
 
+NAMESPACE = "ember-system"
+
+
 def render(helm: str, *args: str) -> list[dict[str, Any]]:
     out = subprocess.run(
-        [helm, "template", "ember", str(CHART), "--namespace", "ember-system", *KUBE, *args],
+        [helm, "template", "ember", str(CHART), "--namespace", NAMESPACE, *KUBE, *args],
         check=True,
         capture_output=True,
         text=True,
@@ -93,7 +96,16 @@ def test_rbac_has_no_wildcards_and_no_secrets(helm: str) -> None:
             for key in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[key], rule
             assert "secrets" not in rule["resources"]
-    assert not by_kind(docs, "Role")
+    # The one namespaced Role: the node agent reads origin credentials by name (no list, no
+    # watch) in the release's own namespace, for spec.model.source.http.secretRef.
+    (role,) = by_kind(docs, "Role")
+    assert role["metadata"]["name"] == "ember-nodeagent-secrets"
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ember-nodeagent", "namespace": NAMESPACE}
+    ]
 
 
 def _rule(group: str, resources: list[str], verbs: list[str]) -> dict[str, Any]:
@@ -155,7 +167,9 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]}
     ]
     assert roles["nodeagent"]["rules"] == [
-        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}
+        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+        # The pods on its node (by field selector), for the http sources it fetches.
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     ]
     # The operator binds exactly the runtime's role, and no other.
     binds = [r for r in roles["operator"]["rules"] if "bind" in r["verbs"]]
@@ -304,3 +318,32 @@ def test_every_image_comes_from_the_registry_make_push_fills(helm: str) -> None:
     pulled |= _images(pod)
     assert pulled <= pushed, f"pulled but never pushed: {sorted(pulled - pushed)}"
     assert pulled == pushed  # and every pushed image is used by the chart
+
+
+def test_node_agent_cache_is_its_own_and_the_operator_mounts_the_same_path(helm: str) -> None:
+    """The agent writes the cache hostPath; the operator renders prewarm's read-only mount of
+    the same directory; the only root in the chart's agent is the init container that hands the
+    directory to the agent's uid, with CHOWN and FOWNER and nothing else."""
+    docs = render(helm, "--set", "nodeAgent.cacheRoot=/srv/ember-cache")
+    (agent,) = [d for d in by_kind(docs, "DaemonSet") if "nodeagent" in d["metadata"]["name"]]
+    pod = agent["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["cache"]["hostPath"] == {"path": "/srv/ember-cache", "type": "DirectoryOrCreate"}
+    (init,) = pod["initContainers"]
+    sc = init["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert init["command"][-1] == str(pod["securityContext"]["runAsUser"])
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["EMBER_NODEAGENT_CACHE_ROOT"]["value"] == "/cache"
+    assert env["EMBER_NODEAGENT_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.namespace"
+    )
+    (operator,) = by_kind(docs, "Deployment")
+    op_env = {
+        e["name"]: e.get("value")
+        for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert op_env["EMBER_OPERATOR_NODE_CACHE_ROOT"] == "/srv/ember-cache"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import yaml
@@ -275,3 +276,51 @@ def test_fake_sysfs_root_is_mounted_read_only() -> None:
     assert mount == {"name": "sensors", "mountPath": "/host-sys", "readOnly": True}
     assert _sensors_root(out) == "/host-sys"
     assert all(m["name"] != "sensors" for m in pod["initContainers"][0]["volumeMounts"])
+
+
+HTTP_SOURCE = {"http": {"urls": {"gemma.gguf": "https://models.example/g.gguf?sig=1"}}}
+
+
+def _http_model(**source: Any) -> dict[str, Any]:
+    model: dict[str, Any] = manifest()["spec"]["model"]
+    return {**model, "source": {"http": {**HTTP_SOURCE["http"], **source}}}
+
+
+def test_http_source_mounts_the_node_cache_and_tells_the_agent_what_to_fetch() -> None:
+    out = _render(model=_http_model(secretRef={"name": "hf"}))
+    pod = _pod(out)
+    (model,) = [v for v in pod["volumes"] if v["name"] == "model"]
+    assert model == {
+        "name": "model",
+        "hostPath": {"path": "/var/lib/ember/cache", "type": "Directory"},
+    }
+    prewarm = pod["initContainers"][0]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in prewarm["volumeMounts"]
+    annotations = out["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    fetch = json.loads(annotations["ember.dev/model-fetch"])
+    file = manifest()["spec"]["model"]["files"][0]
+    assert fetch == {
+        "secretRef": "hf",
+        "files": [
+            {
+                "url": "https://models.example/g.gguf?sig=1",
+                "sha256": file["sha256"],
+                "sizeBytes": file["sizeBytes"],
+            }
+        ],
+    }
+    config = RuntimeConfig.model_validate(yaml.safe_load(out["ConfigMap"]["data"]["config.yaml"]))
+    assert config.model_layout == "sha256"
+    assert str(config.source_file(config.files[0])) == f"/models/sha256/{file['sha256']}"
+
+
+def test_hostpath_source_has_no_fetch_annotation_and_keeps_its_hash() -> None:
+    """Existing objects must not roll when the operator learns the http source."""
+    out = _render()
+    annotations = out["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    assert list(annotations) == ["ember.dev/config-hash"]
+    config_yaml = out["ConfigMap"]["data"]["config.yaml"]
+    assert (
+        "modelLayout"
+        not in RuntimeConfig.model_validate(yaml.safe_load(config_yaml)).restart_relevant_yaml()
+    )

@@ -31,6 +31,13 @@ def spec(**overrides: Any) -> Change:
 
 
 HOST = {"hostPath": {"path": "/models"}}
+HTTP = {"http": {"urls": {"gemma.gguf": "https://models.example/gemma.gguf"}}}
+
+
+def http_url(url: str) -> Change:
+    return path("spec.model.source", {"http": {"urls": {"gemma.gguf": url}}})
+
+
 MODEL = manifest()["spec"]["model"]
 TRT_MODEL = {
     **MODEL,
@@ -49,12 +56,12 @@ REJECT: list[tuple[str, Change, str]] = [
     (
         "two-sources",
         path("spec.model.source", {**HOST, "pvc": {"claimName": "m"}}),
-        "model.source must set exactly one of hostPath, pvc or image",
+        "model.source must set exactly one of hostPath, pvc, image or http",
     ),
     (
         "no-source",
         path("spec.model.source", {}),
-        "model.source must set exactly one of hostPath, pvc or image",
+        "model.source must set exactly one of hostPath, pvc, image or http",
     ),
     (
         "bad-sha256",
@@ -87,6 +94,40 @@ REJECT: list[tuple[str, Change, str]] = [
         "pvc-subpath-dotdot",
         path("spec.model.source", {"pvc": {"claimName": "m", "subPath": "a/../../b"}}),
         "subPath must be relative",
+    ),
+    (
+        "http-and-hostpath",
+        path("spec.model.source", {**HOST, **HTTP}),
+        "model.source must set exactly one of hostPath, pvc, image or http",
+    ),
+    ("http-ftp-url", http_url("ftp://models.example/gemma.gguf"), "must be http:// or https://"),
+    ("http-no-host", http_url("https:///gemma.gguf"), "must be http:// or https://"),
+    ("http-userinfo", http_url("https://u:p@models.example/g.gguf"), "no user info"),
+    ("http-not-a-url", http_url("gemma.gguf"), "must be http:// or https://"),
+    ("http-url-too-long", http_url("https://h/" + "a" * 2048), "Too long"),
+    (
+        "http-file-without-url",
+        path("spec.model.source", {"http": {"urls": {"other.gguf": "https://h/o.gguf"}}}),
+        "must have a URL for every path in model.files",
+    ),
+    (
+        "http-url-for-unknown-file",
+        path(
+            "spec.model.source",
+            {"http": {"urls": {"gemma.gguf": "https://h/g", "extra.bin": "https://h/e"}}},
+        ),
+        "may only name paths listed in model.files",
+    ),
+    ("http-no-urls", path("spec.model.source", {"http": {"urls": {}}}), "spec.model.source.http"),
+    (
+        "http-bad-secret-name",
+        path("spec.model.source", {"http": {**HTTP["http"], "secretRef": {"name": "Hf_Token"}}}),
+        "secretRef.name must be a Secret name",
+    ),
+    (
+        "http-without-prewarm",
+        spec(model={**MODEL, "source": HTTP}, prewarm={"enabled": False}),
+        "model.source.http requires prewarm.enabled",
     ),
     (
         "min-over-max-batch",
@@ -200,6 +241,12 @@ ACCEPT: list[tuple[str, Change]] = [
     ("minimal", lambda doc: doc),
     ("pvc-source", path("spec.model.source", {"pvc": {"claimName": "m", "subPath": "gemma/v1"}})),
     ("image-source", path("spec.model.source", {"image": {"reference": "registry/models:gemma"}})),
+    ("http-source", path("spec.model.source", HTTP)),
+    ("http-plain-with-port", http_url("http://10.0.0.5:8080/m/gemma.gguf?sig=a@b")),
+    (
+        "http-with-secret",
+        path("spec.model.source", {"http": {**HTTP["http"], "secretRef": {"name": "hf.token"}}}),
+    ),
     ("nested-relative-path", path("spec.model.files.0.path", "sub/dir/model..v1.gguf")),
     ("min-equals-max-batch", spec(engine={"minBatchSize": 16, "maxBatchSize": 16})),
     ("critical-just-above", spec(thermal={"throttleCelsius": 80, "criticalCelsius": 81})),

@@ -124,9 +124,58 @@ class ImageSource(Wire):
     )
 
 
+class LocalSecretRef(Wire):
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        description="Name of a Secret in the node agent's own namespace (never the object's): "
+        "keys `token` (sent as a bearer token) or `username` and `password` (basic auth), and "
+        "`urlPrefix`, the only URLs the credentials are sent to.",
+        json_schema_extra=rules(
+            cel(
+                "self.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')",
+                "model.source.http.secretRef.name must be a Secret name (lowercase DNS subdomain)",
+            )
+        ),
+    )
+
+
+# Scheme, then a host without user info (credentials belong in the Secret, not the spec).
+URL_PATTERN = "^https?://[^/?#@\\\\s]+([/?#].*)?$"
+
+
+Url = Annotated[
+    str,
+    Field(
+        max_length=2048,
+        json_schema_extra=rules(
+            cel(
+                f"self.matches('{URL_PATTERN}')",
+                "model.source.http.urls values must be http:// or https:// URLs with a host "
+                "and no user info",
+            )
+        ),
+    ),
+]
+
+
+class HttpSource(Wire):
+    """Files fetched over HTTP(S) by the node agent into its content-addressed cache."""
+
+    urls: dict[str, Url] = Field(
+        min_length=1,
+        max_length=64,
+        description="URL of each file, keyed by its `model.files[].path`; http:// or https://. "
+        "The node agent verifies every byte against the file's sha256 and sizeBytes.",
+    )
+    secret_ref: LocalSecretRef | None = Field(
+        default=None, description="Credentials for the origin (read by the node agent only)."
+    )
+
+
 _ONE_SOURCE = cel(
-    "[has(self.hostPath), has(self.pvc), has(self.image)].filter(x, x).size() == 1",
-    "model.source must set exactly one of hostPath, pvc or image",
+    "[has(self.hostPath), has(self.pvc), has(self.image), has(self.http)].filter(x, x).size() == 1",
+    "model.source must set exactly one of hostPath, pvc, image or http",
 )
 
 
@@ -138,6 +187,9 @@ class ModelSource(Wire):
     host_path: HostPathSource | None = Field(default=None, description="Node-local directory.")
     pvc: PvcSource | None = Field(default=None, description="A PersistentVolumeClaim.")
     image: ImageSource | None = Field(default=None, description="An OCI image volume.")
+    http: HttpSource | None = Field(
+        default=None, description="HTTP(S) URLs, fetched and cached on each node by Ember."
+    )
 
 
 class ModelFile(Wire):
@@ -171,7 +223,16 @@ class ModelSpec(Wire):
             cel(
                 "self.format != 'gguf' || self.files.exists(f, f.path.endsWith('.gguf'))",
                 "a gguf model must list at least one file ending in .gguf",
-            )
+            ),
+            cel(
+                "!has(self.source.http) || self.files.all(f, f.path in self.source.http.urls)",
+                "model.source.http.urls must have a URL for every path in model.files",
+            ),
+            cel(
+                "!has(self.source.http) || "
+                "self.source.http.urls.all(k, self.files.exists(f, f.path == k))",
+                "model.source.http.urls may only name paths listed in model.files",
+            ),
         )
     )
 
@@ -390,6 +451,12 @@ _SPEC_RULES = rules(
     cel(
         "self.model.format != 'gguf' || self.engine.kind == 'llamacpp'",
         "model.format gguf requires engine.kind llamacpp",
+    ),
+    # Prewarm is what waits for the node agent's cache and lays the files out under their
+    # names; without it the runtime would look for them before they exist.
+    cel(
+        "!has(self.model.source.http) || self.prewarm.enabled",
+        "model.source.http requires prewarm.enabled",
     ),
 )
 

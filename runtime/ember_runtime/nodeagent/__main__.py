@@ -18,6 +18,8 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from ember_runtime.config import SensorSettings, ThermalPolicy, ThermalReading
+from ember_runtime.nodeagent.cache import ContentCache
+from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
 from ember_runtime.sensors import build_source
 from ember_runtime.sensors.base import TemperatureSource
 from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, node_status_path
@@ -40,6 +42,14 @@ class AgentSettings(BaseSettings):
     token_file: Path | None = None
     ca_file: Path | None = None
     log_level: str = "INFO"
+    cache_root: Path | None = Field(
+        default=None,
+        description="The node's model cache (http sources); None: fetch no models.",
+    )
+    namespace: str | None = Field(
+        default=None, description="The agent's own namespace: where it reads origin Secrets."
+    )
+    retry_seconds: float = Field(default=60.0, gt=0, description="Retry a failed download.")
 
     def policy(self) -> ThermalPolicy:
         return ThermalPolicy(
@@ -95,6 +105,18 @@ async def run(settings: AgentSettings) -> None:
         asyncio.create_task(reporter.run()),
     ]
     log.info("reporting %s's temperature", settings.node_name)
+    reader = None
+    if settings.cache_root is not None:
+        reader = KubeReader(settings.endpoint())
+        fetcher = Fetcher(
+            ContentCache(settings.cache_root),
+            reader,
+            settings.node_name,
+            settings.namespace or "default",
+            retry_seconds=settings.retry_seconds,
+        )
+        tasks.append(asyncio.create_task(fetcher.run()))
+        log.info("keeping models for %s's pods in %s", settings.node_name, settings.cache_root)
     try:
         await stop.wait()
         log.info("signal received; stopping")
@@ -103,6 +125,8 @@ async def run(settings: AgentSettings) -> None:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await patcher.aclose()
+        if reader is not None:
+            await reader.aclose()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -165,7 +165,7 @@ def check_source_files(pf: Preflight) -> CheckResult:
     root = Path(pf.config.model_dir)
     for f in pf.config.files:
         try:
-            size = (root / f.path).stat().st_size
+            size = pf.config.source_file(f).stat().st_size
         except FileNotFoundError:
             return CheckResult(
                 name,
@@ -185,11 +185,9 @@ def check_source_files(pf: Preflight) -> CheckResult:
 
 def check_permissions(pf: Preflight) -> CheckResult:
     name = "file permissions"
-    root = Path(pf.config.model_dir)
+    paths = {f.path: pf.config.source_file(f) for f in pf.config.files}
     unreadable = [
-        f.path
-        for f in pf.config.files
-        if (root / f.path).exists() and not os.access(root / f.path, os.R_OK)
+        name for name, path in paths.items() if path.exists() and not os.access(path, os.R_OK)
     ]
     if unreadable:
         uid = f"uid {os.getuid()}"

@@ -16,7 +16,7 @@ import hashlib
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +35,8 @@ PARTIAL_MARKER = ".partial-"
 DEFAULT_BUFFER_BYTES = 1 << 20
 BUFFERS_PER_FILE = 4
 DEFAULT_PARALLEL = 2
+
+Locate = Callable[[ModelFile], Path]
 
 
 @dataclass(frozen=True)
@@ -167,12 +169,14 @@ def copy_verified(
     progress: Progress,
     stop: threading.Event,
     options: CopyOptions,
+    locate: Locate | None = None,
 ) -> ManifestEntry:
-    """Copy one file, verify its size and sha256, and rename it into place."""
+    """Copy one file, verify its size and sha256, and rename it into place. `locate` maps a
+    file to its source path (default: `source_dir/<path>`; the node cache names by digest)."""
     final = target_dir / spec.path
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
-        src_fd = os.open(source_dir / spec.path, os.O_RDONLY)
+        src_fd = os.open(locate(spec) if locate else source_dir / spec.path, os.O_RDONLY)
     except FileNotFoundError as err:
         raise PrewarmError(
             f"missing file: {spec.path} (not found under {source_dir})", reasons.MODEL_FILE_MISSING
@@ -204,6 +208,7 @@ def copy_all(
     progress: Progress,
     stop: threading.Event,
     options: CopyOptions,
+    locate: Locate | None = None,
 ) -> list[ManifestEntry]:
     """Copy `files` with up to `options.parallel` at once; the first failure stops the rest."""
     if not files:
@@ -219,6 +224,7 @@ def copy_all(
                 progress=progress,
                 stop=stop,
                 options=options,
+                locate=locate,
             )
             for f in files
         ]

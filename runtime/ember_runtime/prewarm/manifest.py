@@ -121,4 +121,4 @@ def resolve_model_path(config: RuntimeConfig, file: ModelFile | None = None) -> 
         target = Path(config.prewarm_dir)
         if manifest_matches(config, target):
             return target / file.path
-    return Path(config.model_dir) / file.path
+    return config.source_file(file)

@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 from typing import TextIO
 
+from ember_runtime.prewarm.cachewait import wait_for_cache
 from ember_runtime.prewarm.checks import Preflight, failures, run_checks
 from ember_runtime.prewarm.copy import CopyOptions, copy_all, remove_partials
 from ember_runtime.prewarm.errors import PrewarmError
@@ -35,6 +36,9 @@ def prewarm(
     target = pf.target
     if target is None:
         raise PrewarmError("prewarmDir is not set (config prewarmDir or --prewarm-dir)")
+    if pf.config.model_layout == "sha256":
+        # The node agent fetches an http source's files; wait until all are in its cache.
+        wait_for_cache(pf.config, out, stop, progress_interval_s)
     results = run_checks(pf)
     for r in results:
         _say(out, f"preflight {ICONS[r.status]} {r.name}: {r.value}")
@@ -61,6 +65,7 @@ def prewarm(
             progress=progress,
             stop=stop,
             options=options,
+            locate=pf.config.source_file,
         )
     manifest = Manifest(
         model_name=pf.config.model_name, engine_kind=pf.config.engine.kind, files=entries

@@ -1,0 +1,287 @@
+"""The node's content-addressed model cache: `<root>/sha256/<digest>`, filled over HTTP(S).
+
+A file is named by the sha256 the spec promises, and only bytes that hash to it ever carry that
+name: a download goes to `<digest>.partial`, is hashed while it is written, and is renamed into
+place (after fsync) only once its size and digest match. So a reader — the prewarm init
+container, which mounts the cache read-only — can trust any final name it finds, and a
+crash at any moment leaves at worst a `.partial` file, which the next attempt resumes with an
+HTTP `Range` request after re-hashing the bytes already on disk (hashing cannot be resumed from
+a saved state with hashlib, and bytes on disk are not trusted across a crash anyway).
+
+A download that fails for good writes one line in the shared termination-message format to
+`<root>/failed/<digest>` (outside `sha256/`, which holds only blobs and partials); prewarm
+reads it and fails with that reason, e.g. `ChecksumMismatch`. This module is synchronous (one
+blocking HTTP stream, file writes and hashing); the agent runs it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from ember_runtime import reasons
+
+log = logging.getLogger("ember_runtime.nodeagent.cache")
+
+DEFAULT_ROOT = Path("/var/lib/ember/cache")
+CHUNK_BYTES = 1 << 20
+PARTIAL_SUFFIX = ".partial"
+# Network errors after which the same request is resumed from the bytes already on disk.
+RESUMABLE = (httpx.TransportError, httpx.RemoteProtocolError)
+
+Progress = Callable[[int], None]  # called with the bytes now on disk for the file
+
+
+class FetchError(Exception):
+    """A download that failed with a reason from the shared vocabulary."""
+
+    def __init__(self, detail: str, reason: str = reasons.MODEL_DOWNLOAD_FAILED) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class Busy(Exception):
+    """Another process is downloading the same digest right now."""
+
+
+@dataclass(frozen=True)
+class Want:
+    """One file to hold: where it comes from and what it must be."""
+
+    url: str
+    sha256: str
+    size_bytes: int
+    headers: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    def where(self) -> str:
+        """The URL without its query (which may hold a signature) for logs and messages."""
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}{parts.path}"
+
+
+class ContentCache:
+    def __init__(self, root: Path = DEFAULT_ROOT) -> None:
+        self.root = root
+        self.blobs = root / "sha256"
+        self.failures = root / "failed"
+
+    def path(self, sha256: str) -> Path:
+        return self.blobs / sha256
+
+    def partial(self, sha256: str) -> Path:
+        return self.blobs / f"{sha256}{PARTIAL_SUFFIX}"
+
+    def has(self, sha256: str, size_bytes: int) -> bool:
+        try:
+            return self.path(sha256).stat().st_size == size_bytes
+        except OSError:
+            return False
+
+    def failure(self, sha256: str) -> str | None:
+        """The recorded failure line for `sha256`, if its last download failed for good."""
+        try:
+            return (self.failures / sha256).read_text().strip() or None
+        except OSError:
+            return None
+
+    def record_failure(self, sha256: str, err: FetchError) -> None:
+        self.failures.mkdir(parents=True, exist_ok=True)
+        _chmod(self.failures, 0o755)
+        line = reasons.termination_message(err.reason, str(err))
+        tmp = self.failures / f".{sha256}.tmp"
+        tmp.write_text(line + "\n")
+        _chmod(tmp, 0o644)
+        os.replace(tmp, self.failures / sha256)
+
+    def clear_failure(self, sha256: str) -> None:
+        (self.failures / sha256).unlink(missing_ok=True)
+
+    def fetch(
+        self,
+        client: httpx.Client,
+        want: Want,
+        stop: threading.Event | None = None,
+        progress: Progress | None = None,
+        attempts: int = 5,
+    ) -> Path:
+        """Make `path(want.sha256)` hold the verified file; returns it.
+
+        Resumes a `.partial` left by an earlier attempt; retries a broken stream up to
+        `attempts` times, each from where the last stopped. Raises FetchError (a checksum or
+        size mismatch also deletes the partial, so the cache holds nothing for that digest),
+        Busy, or InterruptedError when `stop` is set.
+        """
+        final = self.path(want.sha256)
+        if self.has(want.sha256, want.size_bytes):
+            return final
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        _chmod(self.blobs, 0o755)
+        with _locked_partial(self.partial(want.sha256)) as fd:
+            try:
+                digest = _download_retrying(
+                    client, want, fd, stop=stop, progress=progress, attempts=attempts
+                )
+                if digest != want.sha256:
+                    raise FetchError(
+                        f"{want.where()} expected {want.sha256[:12]}… got {digest[:12]}…",
+                        reasons.CHECKSUM_MISMATCH,
+                    )
+            except BaseException as err:  # cleanup, then re-raised
+                # Unverifiable bytes are dropped at once; an empty partial is only our lock.
+                mismatch = (
+                    isinstance(err, FetchError) and err.reason != reasons.MODEL_DOWNLOAD_FAILED
+                )
+                if mismatch or os.fstat(fd).st_size == 0:
+                    self.partial(want.sha256).unlink(missing_ok=True)
+                raise
+            os.fsync(fd)
+            os.fchmod(fd, 0o644)
+            os.replace(self.partial(want.sha256), final)
+            _fsync_dir(self.blobs)
+        return final
+
+
+def _download_retrying(
+    client: httpx.Client,
+    want: Want,
+    fd: int,
+    *,
+    stop: threading.Event | None,
+    progress: Progress | None,
+    attempts: int,
+) -> str:
+    for attempt in range(1, attempts + 1):
+        try:
+            return _download(client, want, fd, stop, progress)
+        except RESUMABLE as exc:
+            if attempt == attempts:
+                raise FetchError(f"{want.where()}: {exc!r}") from exc
+            log.warning("%s: %r; resuming (attempt %d)", want.where(), exc, attempt + 1)
+            if stop is not None and stop.wait(min(0.5 * attempt, 5.0)):
+                raise InterruptedError(want.where()) from exc
+    raise AssertionError("attempts must be at least 1")
+
+
+def _chmod(path: Path, mode: int) -> None:
+    """Readable by prewarm (another uid); best effort where the agent does not own it."""
+    with suppress(PermissionError):
+        path.chmod(mode)
+
+
+@contextmanager
+def _locked_partial(path: Path) -> Iterator[int]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise Busy(str(path)) from exc
+        yield fd
+    finally:
+        os.close(fd)  # also releases the lock
+
+
+def _rehash(fd: int, size_bytes: int) -> tuple[hashlib._Hash, int]:
+    """Hash of the partial's bytes; a partial longer than the file is started over."""
+    have = os.fstat(fd).st_size
+    if have > size_bytes:
+        os.ftruncate(fd, 0)
+        have = 0
+    hasher = hashlib.sha256()
+    os.lseek(fd, 0, os.SEEK_SET)
+    left = have
+    while left:
+        chunk = os.read(fd, min(CHUNK_BYTES, left))
+        if not chunk:
+            break
+        hasher.update(chunk)
+        left -= len(chunk)
+    return hasher, have - left
+
+
+def _download(
+    client: httpx.Client,
+    want: Want,
+    fd: int,
+    stop: threading.Event | None,
+    progress: Progress | None,
+) -> str:
+    """Append the missing bytes to the partial; returns the sha256 of the whole file."""
+    hasher, have = _rehash(fd, want.size_bytes)
+    if have < want.size_bytes:
+        headers = dict(want.headers)
+        if have:
+            headers["Range"] = f"bytes={have}-"
+        with client.stream("GET", want.url, headers=headers) as resp:
+            have, hasher = _start(resp, want, fd, have, hasher)
+            for chunk in resp.iter_bytes(CHUNK_BYTES):
+                if stop is not None and stop.is_set():
+                    raise InterruptedError(want.where())
+                if have + len(chunk) > want.size_bytes:
+                    _size_mismatch(fd, want, have + len(chunk))
+                _write_all(fd, chunk)
+                hasher.update(chunk)
+                have += len(chunk)
+                if progress is not None:
+                    progress(have)
+    if have != want.size_bytes:
+        # The origin closed cleanly but early (no Content-Length to catch it): resume.
+        raise httpx.RemoteProtocolError(f"stream ended at {have} of {want.size_bytes} bytes")
+    return hasher.hexdigest()
+
+
+def _start(
+    resp: httpx.Response, want: Want, fd: int, have: int, hasher: hashlib._Hash
+) -> tuple[int, hashlib._Hash]:
+    """Check the answer and position the partial for appending; (offset, hasher) to go on."""
+    if resp.status_code == 206 and have:
+        start = _content_range_start(resp.headers.get("content-range", ""))
+        if start != have:
+            raise FetchError(f"{want.where()}: asked for bytes {have}-, got Content-Range {start}")
+    elif resp.status_code == 200:
+        # The origin ignored Range (or there was none): take the whole body from the start.
+        os.ftruncate(fd, 0)
+        have, hasher = 0, hashlib.sha256()
+    else:
+        raise FetchError(f"{want.where()}: HTTP {resp.status_code} {resp.reason_phrase}")
+    os.lseek(fd, have, os.SEEK_SET)
+    return have, hasher
+
+
+def _content_range_start(value: str) -> int | None:
+    """`bytes 100-199/200` → 100."""
+    unit, _, rest = value.partition(" ")
+    first = rest.partition("-")[0]
+    return int(first) if unit == "bytes" and first.isdigit() else None
+
+
+def _size_mismatch(fd: int, want: Want, got: int) -> None:
+    os.ftruncate(fd, 0)
+    raise FetchError(
+        f"{want.where()} expected {want.size_bytes} bytes got at least {got}",
+        reasons.SIZE_MISMATCH,
+    )
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,123 @@
+"""Prewarm on an http source: it waits for the node agent's cache, reports the agent's recorded
+failure as its own reason, and gives up with ModelDownloading after `model_wait_seconds`; the
+agent's fetcher fills the cache from the pods it is shown. No cluster: the real cache, a real
+origin, real files."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ember_runtime import reasons
+from ember_runtime.config import MODEL_FETCH_ANNOTATION, ModelFile, RuntimeConfig
+from ember_runtime.nodeagent.cache import ContentCache, FetchError
+from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
+from ember_runtime.prewarm.cachewait import wait_for_cache
+from ember_runtime.prewarm.errors import PrewarmError
+from ember_runtime.thermal.kube import Endpoint
+
+from tests.nodeagent.origin import serve
+
+DATA = os.urandom(300_000)
+SHA = hashlib.sha256(DATA).hexdigest()
+
+
+def _config(root: Path, sha: str = SHA, wait: float = 5.0) -> RuntimeConfig:
+    return RuntimeConfig(
+        model_name="m",
+        model_dir=str(root),
+        model_layout="sha256",
+        model_wait_seconds=wait,
+        files=[ModelFile(path="m.gguf", sha256=sha, size_bytes=len(DATA))],
+    )
+
+
+def test_waits_until_the_agent_has_placed_the_file(tmp_path: Path) -> None:
+    cache = ContentCache(tmp_path)
+    cache.blobs.mkdir(parents=True)
+
+    def place() -> None:
+        cache.partial(SHA).write_bytes(DATA)
+        cache.partial(SHA).rename(cache.path(SHA))
+
+    timer = threading.Timer(0.5, place)
+    timer.start()
+    out = io.StringIO()
+    wait_for_cache(_config(tmp_path), out, threading.Event(), interval_s=0.05)
+    timer.join()
+    assert cache.path(SHA).exists()
+    assert "waiting for the node agent: 0 of 300000 bytes" in out.getvalue()
+
+
+def test_recorded_checksum_mismatch_is_prewarms_reason(tmp_path: Path) -> None:
+    cache = ContentCache(tmp_path)
+    cache.record_failure(SHA, FetchError("h/m.gguf expected a… got b…", reasons.CHECKSUM_MISMATCH))
+    with pytest.raises(PrewarmError) as info:
+        wait_for_cache(_config(tmp_path), io.StringIO(), threading.Event(), interval_s=0.05)
+    assert info.value.reason == reasons.CHECKSUM_MISMATCH
+    assert str(info.value) == "m.gguf: h/m.gguf expected a… got b…"
+
+
+def test_gives_up_with_model_downloading(tmp_path: Path) -> None:
+    cache = ContentCache(tmp_path)
+    cache.blobs.mkdir(parents=True)
+    cache.partial(SHA).write_bytes(DATA[:1000])
+    with pytest.raises(PrewarmError) as info:
+        wait_for_cache(_config(tmp_path, wait=0.3), io.StringIO(), threading.Event(), 0.05)
+    assert info.value.reason == reasons.MODEL_DOWNLOADING
+    assert str(info.value).startswith("1000 of 300000 bytes in the node cache")
+
+
+def _pod(uid: str, base: str, sha: str) -> dict[str, Any]:
+    fetch = {"files": [{"url": f"{base}/m.gguf", "sha256": sha, "sizeBytes": len(DATA)}]}
+    annotations = {MODEL_FETCH_ANNOTATION: json.dumps(fetch)}
+    return {"metadata": {"uid": uid, "name": uid, "annotations": annotations}}
+
+
+async def _fetch_for(cache: ContentCache, pods: list[dict[str, Any]]) -> Fetcher:
+    reader = KubeReader(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
+    fetcher = Fetcher(cache, reader, "node-a", "ember-system")
+    for pod in pods:
+        fetcher._apply({"type": "ADDED", "object": pod})
+    fetcher.reconcile()
+    fetcher.reconcile()  # a second pass starts nothing twice
+    assert len(fetcher._running) <= 1
+    await asyncio.gather(*fetcher._running.values())
+    await reader.aclose()
+    return fetcher
+
+
+def test_fetcher_fills_the_cache_once_for_the_pods_that_want_it(tmp_path: Path) -> None:
+    cache = ContentCache(tmp_path)
+    with serve({"m.gguf": DATA}) as (base, origin):
+        pods = [_pod("a", base, SHA), _pod("b", base, SHA), {"metadata": {"uid": "c"}}]
+        asyncio.run(_fetch_for(cache, pods))
+    assert cache.path(SHA).read_bytes() == DATA
+    assert origin.bytes_sent == len(DATA)  # two pods, one download
+
+
+def test_fetcher_records_a_mismatch_and_does_not_retry_it(tmp_path: Path) -> None:
+    cache = ContentCache(tmp_path)
+    wrong = hashlib.sha256(b"other").hexdigest()
+    with serve({"m.gguf": DATA}) as (base, origin):
+        fetcher = asyncio.run(_fetch_for(cache, [_pod("a", base, wrong)]))
+        line = cache.failure(wrong)
+        assert line is not None and line.startswith("ChecksumMismatch: ")
+        assert not cache.path(wrong).exists() and not cache.partial(wrong).exists()
+
+        async def again() -> None:
+            fetcher.reconcile()
+            assert not fetcher._running  # a wrong sha256 is not fetched again
+
+        asyncio.run(again())
+        assert len(origin.requests) == 1
+        fetcher._apply({"type": "DELETED", "object": _pod("a", base, wrong)})
+        fetcher.reconcile()  # nobody wants it any more: the record goes
+    assert cache.failure(wrong) is None

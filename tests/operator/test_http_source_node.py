@@ -1,0 +1,187 @@
+"""An `http` model source on the real kubelet node: nobody places a file by hand. A Range-honouring
+origin on this machine serves the packaged Gemma GGUF; the real node agent (a process on the
+node, which is this machine, with the chart's RBAC and a token of its ServiceAccount) sees the
+pod scheduled there and fills the node cache; the real prewarm container (the runtime image
+built from this tree) waits for it, verifies and copies. A wrong sha256 becomes
+`ChecksumMismatch` on the InferenceDeployment and leaves nothing in the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256
+from kubernetes import client
+
+from tests.cluster.control_plane import NODE_NAME
+from tests.conftest import Kube
+from tests.e2e.flow import table_columns
+from tests.nodeagent.origin import OriginState, serve
+from tests.operator import rest
+from tests.operator.conftest import wait_for
+from tests.operator.specs import manifest
+from tests.operator.test_node_reasons import RESOURCES, runtime_image  # noqa: F401 - fixture
+from tests.thermal.kube_support import chart_objects, kubectl_apply, token_dir
+
+pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]
+
+CACHE = Path("/var/lib/ember/cache")  # the operator's default node_cache_root, on this node
+WRONG = "0" * 64
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _forget(sha: str) -> None:
+    for path in (CACHE / "sha256" / sha, CACHE / "sha256" / f"{sha}.partial"):
+        path.unlink(missing_ok=True)
+    (CACHE / "failed" / sha).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def origin(gemma_gguf: Path) -> Iterator[tuple[str, OriginState]]:
+    with serve({MODEL_FILENAME: gemma_gguf.read_bytes()}) as served:
+        yield served
+
+
+@pytest.fixture
+def agent(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """The node agent as a process on the node, with the chart's RBAC in `namespace` (its own)."""
+    objects = [
+        o for o in chart_objects("nodeagent.yaml", namespace=namespace) if o["kind"] != "DaemonSet"
+    ]
+    kubectl_apply(kube, objects, tmp_path)
+    request = client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
+    )
+    answer: Any = kube.core.create_namespaced_service_account_token(
+        "ember-nodeagent", namespace, request
+    )
+    sa = token_dir(kube, str(answer.status.token), tmp_path / "sa")
+    (tmp_path / "sys").mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}/runtime:{ROOT}"}
+    argv = [
+        sys.executable,
+        "-m",
+        "ember_runtime.nodeagent",
+        f"--node_name={NODE_NAME}",
+        f"--server={kube.api.configuration.host}",
+        f"--token_file={sa / 'token'}",
+        f"--ca_file={sa / 'ca.crt'}",
+        f"--cache_root={CACHE}",
+        f"--namespace={namespace}",
+        f"--sysfs_root={tmp_path / 'sys'}",
+        "--interval_seconds=60",
+    ]
+    log_path = tmp_path / "agent.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        # The agent creates the cache directory first thing (the pods' mount needs it).
+        wait_for(
+            "the node agent to start",
+            lambda: proc.poll() is not None or (CACHE / "sha256").is_dir(),
+            timeout=30,
+        )
+        assert proc.poll() is None, log_path.read_text()
+        yield proc
+    finally:
+        alive = proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        for o in objects:
+            if "namespace" not in o["metadata"]:
+                kube.kubectl(
+                    "delete", o["kind"].lower(), o["metadata"]["name"], "--ignore-not-found"
+                )
+    print(log_path.read_text())
+    assert not alive or code == 0, log_path.read_text()  # SIGTERM stops it cleanly
+
+
+World = tuple[str, str, OriginState]  # runtime image, origin URL, origin state
+
+
+@pytest.fixture
+def world(
+    operator: Any,
+    runtime_image: str,  # noqa: F811 - the imported fixture
+    origin: tuple[str, OriginState],
+    agent: subprocess.Popen[str],
+) -> World:
+    """The operator, the runtime image on the node, the origin and the node agent, all running."""
+    return runtime_image, *origin
+
+
+def _infd(image: str, name: str, url: str, sha: str, size: int) -> dict[str, Any]:
+    return manifest(
+        name,
+        model={
+            "name": "gemma-3-270m",
+            "format": "gguf",
+            "source": {"http": {"urls": {MODEL_FILENAME: url}}},
+            "files": [{"path": MODEL_FILENAME, "sha256": sha, "sizeBytes": size}],
+        },
+        image=image,
+        prewarm={"enabled": True, "sharedMemoryLimit": "512Mi"},
+        resources=RESOURCES,
+    )
+
+
+def _prewarm_state(kube: Kube, namespace: str) -> dict[str, Any] | None:
+    for pod in rest.items(kube.api, "pods", namespace):
+        for status in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            terminated = (status.get("state") or {}).get("terminated")
+            if status["name"] == "prewarm" and terminated:
+                return dict(terminated)
+    return None
+
+
+def test_http_source_reaches_prewarm_success_with_no_file_placed_by_hand(
+    kube: Kube, namespace: str, gemma_gguf: Path, world: World
+) -> None:
+    image, base, state = world
+    _forget(MODEL_SHA256)
+    size = gemma_gguf.stat().st_size
+    url = f"{base}/{MODEL_FILENAME}"
+    try:
+        rest.create(kube.api, "infd", namespace, _infd(image, "http", url, MODEL_SHA256, size))
+        done = wait_for(
+            "prewarm to finish", lambda: _prewarm_state(kube, namespace), timeout=600, interval=2
+        )
+        assert done["exitCode"] == 0, done
+        assert (CACHE / "sha256" / MODEL_SHA256).stat().st_size == size
+        assert state.bytes_sent == size  # one download, nothing fetched twice
+    finally:
+        _forget(MODEL_SHA256)
+        _forget(WRONG)
+
+
+def test_wrong_sha256_shows_checksum_mismatch_and_caches_nothing(
+    kube: Kube, namespace: str, gemma_gguf: Path, world: World
+) -> None:
+    image, base, _ = world
+    _forget(WRONG)
+    size = gemma_gguf.stat().st_size
+    try:
+        infd = _infd(image, "wrong", f"{base}/{MODEL_FILENAME}", WRONG, size)
+        rest.create(kube.api, "infd", namespace, infd)
+
+        def status_column() -> dict[str, str] | None:
+            cols = table_columns(kube.kubectl("get", "infd", "wrong", "-n", namespace))
+            return cols if cols["STATUS"] == "ChecksumMismatch" else None
+
+        wait_for("STATUS ChecksumMismatch", status_column, timeout=600, interval=2)
+        assert not (CACHE / "sha256" / WRONG).exists()
+        assert not (CACHE / "sha256" / f"{WRONG}.partial").exists()
+        described = kube.kubectl("describe", "infd", "wrong", "-n", namespace)
+        assert f"expected {WRONG[:12]}… got {MODEL_SHA256[:12]}…" in described, described
+    finally:
+        # The agent watches every pod on the node: an earlier test's pod, still terminating,
+        # may have had it start on that model too.
+        _forget(WRONG)
+        _forget(MODEL_SHA256)
