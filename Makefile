@@ -107,7 +107,7 @@ e2e-kind: install ## the same flow on a kind cluster (needs Docker + kind; not r
 bench: install cluster-build ## the benchmarks (figures printed side by side)
 	$(PY) bench/run_all.py
 
-drills: install cluster-build ## fault drills at full size: operator kill -9 during churn, fuzzed specs (→ bench/results/drills.*)
+drills: install cluster-build ## fault drills at full size: operator kill -9, kubelet restarts, runtime overload, fuzzed specs, broken model files (→ bench/results/drills.*)
 	EMBER_DRILL_SCALE=full $(VENV)/bin/pytest -p no:cacheprovider -ra -s --timeout 3600 tests/drills
 
 clean: cluster-down

@@ -71,7 +71,8 @@ MODEL_FILE_MISSING = _define(
 SHARED_MEMORY_FULL = _define(
     "SharedMemoryFull",
     PREWARM,
-    "The memory-backed prewarm volume filled up while copying. Raise "
+    "The memory-backed prewarm volume cannot hold the model: too small before copying "
+    "(message: free and needed bytes), or it filled up while copying. Raise "
     "`prewarm.sharedMemoryLimit` (and the memory limit with it).",
 )
 PREFLIGHT_FAILED = _define(

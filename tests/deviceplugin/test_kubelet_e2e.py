@@ -1,88 +1,22 @@
-"""The plugin against the REAL kubelet of the local single-node cluster (tests/cluster/).
-
-The plugin runs as a host process (as its DaemonSet would, with hostPath mounts) pointed at the
-kubelet's device plugin dir. The fake NPUs are symlinks to /dev/null: discovery and health only
-need the paths, and the container runtime needs a real character device behind a DeviceSpec.
-"""
+"""The plugin against the REAL kubelet of the local single-node cluster (tests/cluster/); the
+plugin process and its fake NPUs come from tests/deviceplugin/realnode.py."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_runtime.deviceplugin.allocator import Checkpoint
 from ember_runtime.deviceplugin.podresources import PodResourcesClient
 from kubernetes import client
 
-from .harness import short_tempdir
+from .realnode import CONTEXTS, DEVICES, RESOURCE, live_contexts, plugin, wait_for
+
+__all__ = ["plugin"]  # the plugin process fixture, requested by name below
 
 pytestmark = pytest.mark.node
-
-RESOURCE = "ember.dev/npu"
-DEVICES = 2
-CONTEXTS = 4
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-@pytest.fixture
-def plugin(node: Any) -> Iterator[dict[str, Path]]:
-    work = short_tempdir()
-    dev = work / "dev"
-    dev.mkdir()
-    for i in range(DEVICES):
-        (dev / f"davinci{i}").symlink_to("/dev/null")
-    (dev / "davinci_manager").symlink_to("/dev/null")
-    checkpoint = work / "allocations.json"
-    log = work / "plugin.log"
-    argv = [
-        sys.executable, "-m", "ember_runtime.deviceplugin",
-        "--device-plugin-dir", str(node.device_plugin_dir),
-        "--pod-resources-socket", str(node.pod_resources_socket),
-        "--dev-root", str(dev),
-        "--contexts-per-device", str(CONTEXTS),
-        "--checkpoint-path", str(checkpoint),
-        "--reconcile-interval-seconds", "1",
-        "--release-grace-seconds", "30",
-        "--metrics-port", "0",
-        "--metrics-host", "127.0.0.1",
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    try:
-        yield {"checkpoint": checkpoint, "log": log}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=15)
-        assert code == 0, log.read_text()
-        assert not (node.device_plugin_dir / "ember-npu.sock").exists()
-
-
-def live_contexts(checkpoint: Path) -> dict[int, str | None]:
-    """Context ID -> owner ("ns/pod/container") as the plugin's checkpoint records it."""
-    return {
-        cid: alloc["owner"]
-        for alloc in Checkpoint(checkpoint).read_live()
-        for cid in alloc["contexts"].values()
-    }
 
 
 def test_real_kubelet_allocates_and_releases_contexts(

@@ -306,3 +306,31 @@ async def test_metrics_report_devices_and_contexts(
     assert 'ember_npu_contexts{device="davinci1",state="free"} 3.0' in text
     assert 'ember_npu_registrations_total{result="ok"} 1.0' in text
     assert "ember_npu_allocate_seconds_count 1.0" in text
+
+
+async def test_restarted_kubelet_does_not_free_live_ids_before_it_relists_pods(
+    start_plugin: PluginFactory, kubelet: KubeletHarness
+) -> None:
+    # Found by the kubelet restart drill: a new kubelet serves PodResources before it has
+    # re-admitted its pods, so its first Lists leave out containers that still run.
+    plugin = await start_plugin(release_grace_seconds=0.5, reconcile_interval_seconds=600)
+    async with kubelet.plugin(SOCKET) as stub:
+        await allocate(stub, ["davinci0-ctx0"])
+        await allocate(stub, ["davinci1-ctx0"])
+    running = FakePod("ns", "running", "main", ["davinci0-ctx0"])
+    exited = FakePod("ns", "exited", "main", ["davinci1-ctx0"])
+    kubelet.pods = [running, exited]
+    assert await plugin.reconciler.reconcile_once() == []  # both bound to their pods
+
+    await kubelet.stop_pod_resources()  # the kubelet restarts: a new socket, no pods yet
+    kubelet.pods = []
+    await kubelet.start_pod_resources()
+    assert await plugin.reconciler.reconcile_once() == []
+    assert plugin.allocator.live_ids() == {0, 1}
+
+    kubelet.pods = [running]  # re-admitted; "exited" ended while the kubelet was down
+    assert await plugin.reconciler.reconcile_once() == []  # still settling: kept
+    await asyncio.sleep(0.6)
+    released = await plugin.reconciler.reconcile_once()
+    assert released is not None and [a.owner for a in released] == ["ns/exited/main"]
+    assert plugin.allocator.live_ids() == {0}

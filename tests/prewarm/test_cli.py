@@ -132,7 +132,7 @@ def test_too_small_target_fails_before_copying(make_setup: MakeSetup) -> None:
     assert done.returncode == 1
     reason = s.termination_log.read_text()
     assert reason.startswith(
-        "PreflightFailed: shm free space: free 2.1 MB (sizeLimit), need 4.2 MB"
+        "SharedMemoryFull: shm free space: free 2.1 MB (sizeLimit), need 4.2 MB"
     )
     assert not s.target.exists()
     assert "MB/s" not in done.stdout  # no copy started

@@ -232,7 +232,12 @@ class ContextAllocator:
         )
 
     def reconcile(
-        self, owners: Mapping[str, frozenset[str]], grace: float, listed_at: float | None = None
+        self,
+        owners: Mapping[str, frozenset[str]],
+        grace: float,
+        listed_at: float | None = None,
+        *,
+        keep_missing: bool = False,
     ) -> list[Allocation]:
         """Release allocations whose containers are gone; return them.
 
@@ -245,11 +250,17 @@ class ContextAllocator:
 
         `listed_at` is when the PodResources List was sent: only an allocation made before it
         may be bound, because an older snapshot can still show the unit's previous holder.
+
+        `keep_missing`: the snapshot may leave out live containers (a kubelet that has just
+        restarted and not yet re-admitted its pods), so a bound allocation whose container is
+        absent is kept unless its units are now another container's or were allocated again.
         """
         now = time.time()
         listed_at = now if listed_at is None else listed_at
         with self._lock:
-            keep, released = _partition(self._state.allocations, owners, now, grace, listed_at)
+            keep, released = _partition(
+                self._state.allocations, owners, now, grace, listed_at, keep_missing=keep_missing
+            )
             if not released and keep == self._state.allocations:
                 return []
             saved = _State(self._state.cursor, keep)
@@ -283,8 +294,11 @@ def _partition(
     now: float,
     grace: float,
     listed_at: float,
+    *,
+    keep_missing: bool = False,
 ) -> tuple[list[Allocation], list[Allocation]]:
     keep: list[Allocation] = []
+    held_by = {unit: owner for owner, units in owners.items() for unit in units}
     released: list[Allocation] = []
     claimed: set[str] = set()
     newer_units: set[str] = set()
@@ -297,7 +311,9 @@ def _partition(
         if superseded:
             released.append(alloc)
         elif alloc.owner is not None:
-            if alloc.unit_set <= owners.get(alloc.owner, frozenset()):
+            held = alloc.unit_set <= owners.get(alloc.owner, frozenset())
+            taken = any(held_by.get(u, alloc.owner) != alloc.owner for u in alloc.units)
+            if held or (keep_missing and not taken):
                 keep.append(alloc)
                 claimed.add(alloc.owner)
             else:

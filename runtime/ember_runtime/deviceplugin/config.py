@@ -68,7 +68,10 @@ class PluginSettings(BaseSettings):
     release_grace_seconds: float = Field(
         default=60.0,
         ge=0,
-        description="An allocation that never shows up in PodResources is released after this.",
+        description=(
+            "An allocation that never shows up in PodResources is released after this; after a "
+            "kubelet restart, so is one whose container the new kubelet does not list again."
+        ),
     )
     node_ordinal: int | None = Field(
         default=None,

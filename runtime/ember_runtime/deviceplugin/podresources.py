@@ -1,13 +1,17 @@
 """Release context IDs of containers that are gone, using the kubelet's PodResources API.
 
 The kubelet is the authority on which container holds which unit. A failed or timed-out List
-releases nothing: the safe error is to hold an ID too long, never to free a live one.
+releases nothing: the safe error is to hold an ID too long, never to free a live one. For the
+same reason a kubelet that has just restarted is not believed when it leaves a container out:
+until it has re-admitted its pods its List is incomplete, so for the grace period after a new
+kubelet appears, bound IDs are released only on proof (their units allocated again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -26,6 +30,15 @@ class PodResourcesClient:
     def __init__(self, socket: Path, timeout: float = 5.0) -> None:
         self._socket = socket
         self._timeout = timeout
+
+    def instance(self) -> tuple[int, int] | None:
+        """Which kubelet serves the socket: a restarted kubelet recreates it (a new ctime, even
+        where the filesystem hands out the same inode number again); None when it is absent."""
+        try:
+            st = os.stat(self._socket)
+        except OSError:
+            return None
+        return st.st_ino, st.st_ctime_ns
 
     async def owners(self, resource_name: str) -> dict[str, frozenset[str]]:
         """Map "namespace/pod/container" to the units of `resource_name` it holds."""
@@ -66,20 +79,35 @@ class Reconciler:
         self._grace = grace
         self._on_release = on_release
         self._lock = asyncio.Lock()
+        self._kubelet: tuple[int, int] | None = None
+        self._trust_after = 0.0  # monotonic: a new kubelet's absences count from here on
 
     async def reconcile_once(self) -> list[Allocation] | None:
         """One pass; None when PodResources could not be read (nothing released then)."""
         async with self._lock:
             listed_at = time.time()  # before the call: the snapshot is at least this fresh
+            self._notice_kubelet_restart()
             try:
                 owners = await self._client.owners(self._resource)
             except grpc.aio.AioRpcError as exc:
                 log.warning("PodResources List failed (%s); releasing nothing", exc.code())
                 return None
-            released = self._allocator.reconcile(owners, self._grace, listed_at)
+            settling = time.monotonic() < self._trust_after
+            released = self._allocator.reconcile(
+                owners, self._grace, listed_at, keep_missing=settling
+            )
         if released:
             self._on_release(released)
         return released
+
+    def _notice_kubelet_restart(self) -> None:
+        instance = self._client.instance()
+        if instance is None or instance == self._kubelet:
+            return
+        if self._kubelet is not None:  # not our first look: the kubelet has restarted
+            log.info("new kubelet: holding bound context IDs for %g s", self._grace)
+            self._trust_after = time.monotonic() + self._grace
+        self._kubelet = instance
 
     async def run(self, interval: float) -> None:
         while True:

@@ -247,7 +247,11 @@ def check_shm_space(pf: Preflight) -> CheckResult:
     if pf.shm_limit_bytes is not None and pf.shm_limit_bytes - used + reclaim < free:
         free, source = pf.shm_limit_bytes - used + reclaim, "sizeLimit"
     value = f"free {_mb(free)} ({source}), need {_mb(need)} incl. {_mb(pf.margin_bytes)} margin"
-    return CheckResult(name, Status.OK if free >= need else Status.FAIL, value)
+    if free >= need:
+        return CheckResult(name, Status.OK, value)
+    # The same remedy as a volume that fills up mid-copy, so the same reason (not the generic
+    # PreflightFailed, which sends the user to `diagnose` for what the message already says).
+    return CheckResult(name, Status.FAIL, value, reason=reasons.SHARED_MEMORY_FULL)
 
 
 def _read_int(path: Path) -> int | None:

@@ -1,0 +1,103 @@
+"""The device plugin as a host process on the REAL kubelet node (tests/cluster/), shared by the
+kubelet e2e test and the kubelet restart drill.
+
+The plugin runs as its DaemonSet would (hostPath mounts), pointed at the kubelet's device
+plugin dir. The fake NPUs are symlinks to /dev/null: discovery and health only need the paths,
+and the container runtime needs a real character device behind a DeviceSpec.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ember_runtime.deviceplugin.allocator import Checkpoint
+
+if importlib.util.find_spec("ember_runtime.deviceplugin.api.api_pb2") is None:
+    # The plugin process needs the gRPC stubs (`make protos`); callers outside
+    # tests/deviceplugin (the drills) do not get them from that conftest.
+    from ember_runtime.deviceplugin.api.generate import generate
+
+    generate()
+
+RESOURCE = "ember.dev/npu"
+DEVICES = 2
+CONTEXTS = 4
+REGISTERED = f"registered {RESOURCE} with the kubelet"  # the plugin's log line on success
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def plugin(node: Any) -> Iterator[dict[str, Path]]:
+    work = Path(tempfile.mkdtemp(prefix="dp-", dir="/tmp"))  # short: unix socket paths
+    dev = work / "dev"
+    dev.mkdir()
+    for i in range(DEVICES):
+        (dev / f"davinci{i}").symlink_to("/dev/null")
+    (dev / "davinci_manager").symlink_to("/dev/null")
+    checkpoint = work / "allocations.json"
+    log = work / "plugin.log"
+    argv = [
+        sys.executable, "-m", "ember_runtime.deviceplugin",
+        "--device-plugin-dir", str(node.device_plugin_dir),
+        "--pod-resources-socket", str(node.pod_resources_socket),
+        "--dev-root", str(dev),
+        "--contexts-per-device", str(CONTEXTS),
+        "--checkpoint-path", str(checkpoint),
+        "--reconcile-interval-seconds", "1",
+        "--release-grace-seconds", "30",
+        "--metrics-port", "0",
+        "--metrics-host", "127.0.0.1",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        # The node's capacity may still show an earlier plugin's devices (a previous test's),
+        # whose kubelet endpoint is gone: a pod admitted before this plugin registers fails.
+        wait_for(
+            "the plugin's registration with the kubelet",
+            lambda: proc.poll() is None and REGISTERED in log.read_text(errors="replace"),
+            60,
+            0.1,
+        )
+        yield {"checkpoint": checkpoint, "log": log}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=15)
+        assert code == 0, log.read_text()
+        assert not (node.device_plugin_dir / "ember-npu.sock").exists()
+
+
+def live_contexts(checkpoint: Path) -> dict[int, str | None]:
+    """Context ID -> owner ("ns/pod/container") as the plugin's checkpoint records it."""
+    return {
+        cid: alloc["owner"]
+        for alloc in Checkpoint(checkpoint).read_live()
+        for cid in alloc["contexts"].values()
+    }
+
+
+def npu_capacity(core: Any, node_name: str) -> int:
+    """The node's allocatable ember.dev/npu as the API server has it (0 when absent)."""
+    status = core.read_node(node_name).status
+    allocatable = (status.allocatable if status else None) or {}
+    return int(allocatable.get(RESOURCE, "0"))
