@@ -25,9 +25,10 @@ from ember_operator.thermal.nodes import HotNodes
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 PLAN_CACHE_SIZE = 4096
-# How long pod and Deployment events for one object are gathered into one status write: well
-# inside the 2 s a thermal change may take to reach status, and a replica's start-up events
-# (scheduled, running, ready) mostly fall into one window.
+# Pod and Deployment events of one object are gathered into one status write until it has
+# been quiet this long (at most 3× this after the first, `requeue.Coalescer`): a lone thermal
+# change reaches status well inside its 2 s, and a replica's start-up events (scheduled,
+# running, ready, the Deployment's counts) share one write.
 STATUS_WINDOW_SECONDS = 0.5
 INDEX_BY_KIND = {
     "ConfigMap": "configmap_index",

@@ -80,18 +80,31 @@ class Requeue(DueTable[int]):
             await asyncio.sleep(TICK_SECONDS)
 
 
-class Coalescer(DueTable[None]):
-    """Status refreshes, coalesced: the first mark of an object opens a short window, marks within
-    it join it, and one refresh at its end writes what all of them changed. A replica coming up
-    is four or five pod and Deployment events within a second or two (created, scheduled,
-    running, ready); without this each could be its own status write."""
+class Coalescer(DueTable[float]):
+    """Status refreshes, coalesced: a mark opens a short window and each later mark of the same
+    object extends it (the value kept is the first mark's time), but never past `max_wait`
+    after that first mark; one refresh at its end writes what all of them changed. A replica
+    coming up is four or five pod and Deployment events a fraction of a second apart (created,
+    scheduled, running, ready, the Deployment's counts): a fixed window cut that burst into
+    two or three status writes, one per window; a lone change (a thermal report) still goes out
+    one window after it happened."""
 
-    def __init__(self, window: float, parallel: int = 4) -> None:
+    def __init__(
+        self,
+        window: float,
+        max_wait: float | None = None,
+        parallel: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__()
-        self.window, self.parallel = window, parallel
+        self.window, self.parallel, self.clock = window, parallel, clock
+        self.max_wait = 3 * window if max_wait is None else max_wait
 
     def mark(self, key: Key) -> None:
-        self.put(key, time.monotonic() + self.window, None, keep_earlier=True)
+        now = self.clock()
+        with self._lock:
+            first = self._due[key][1] if key in self._due else now
+            self._due[key] = (min(now + self.window, first + self.max_wait), first)
 
     async def run(self, work: Callable[[list[Key]], None], tick: float = 0.1) -> None:
         """Call `work(keys)` with the keys whose window has closed, split over `parallel`

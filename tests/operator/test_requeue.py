@@ -53,13 +53,27 @@ def test_run_calls_the_work_for_due_entries() -> None:
     assert done == [(("ns", "a"), 1)]
 
 
-def test_marks_within_a_window_join_it() -> None:
-    refreshes = Coalescer(window=10.0)
+def test_each_mark_extends_the_window_up_to_its_bound() -> None:
+    now = [100.0]
+    refreshes = Coalescer(window=10.0, max_wait=30.0, clock=lambda: now[0])
     refreshes.mark(("ns", "a"))
-    first = refreshes.pending()
-    refreshes.mark(("ns", "a"))  # a later mark does not push the window's end out
-    assert refreshes.take_due() == [] and refreshes.pending() == first
-    assert refreshes.take_due(now=time.monotonic() + 10.0) == [(("ns", "a"), None)]
+    assert refreshes.take_due(now=109.9) == []
+    now[0] = 105.0
+    refreshes.mark(("ns", "a"))  # a burst: the window now ends 10 s after this mark
+    assert refreshes.take_due(now=110.0) == []
+    assert refreshes.pending() == {("ns", "a"): 100.0}  # the burst's start is kept
+    for t in (115.0, 125.0):  # marks keep coming: the write goes out max_wait after the first
+        now[0] = t
+        refreshes.mark(("ns", "a"))
+    assert refreshes.take_due(now=129.99) == []
+    assert refreshes.take_due(now=130.0) == [(("ns", "a"), 100.0)]
+
+
+def test_a_lone_mark_is_due_one_window_later() -> None:
+    refreshes = Coalescer(window=0.5, clock=lambda: 7.0)
+    refreshes.mark(("ns", "a"))
+    assert refreshes.take_due(now=7.49) == []
+    assert refreshes.take_due(now=7.5) == [(("ns", "a"), 7.0)]
 
 
 def test_due_refreshes_are_written_in_parallel_chunks() -> None:
