@@ -45,6 +45,7 @@ from ember_operator.reconcile import (
     key_of,
     planned,
     pods_of,
+    settled,
 )
 from ember_operator.settings import load_settings
 from ember_operator.status_writer import Observation, StatusWriter
@@ -323,20 +324,29 @@ def _retry(ctx: Context, key: tuple[str, str], attempt: int) -> None:
 
 
 @kopf.on.event(*RESOURCE)
-def infd_event(**kwargs: Any) -> None:
+async def infd_event(**kwargs: Any) -> None:
     """Level-triggered: every event of an object (the initial listing at start included) runs
     one reconcile, which writes only what differs. Why not Kopf's on.create/on.update/on.resume
     or a timer: those keep their state on the object — a finalizer, a last-handled copy of the
     spec, progress annotations — two to four writes per object and a finalizer that outlives
-    an uninstalled operator; events cost no writes at all."""
+    an uninstalled operator; events cost no writes at all.
+
+    Async, and a thread only for real work: most events are the echoes of the object's own
+    status writes, and a settled object needs only a coalesced status refresh. Kopf queues
+    each object's events until its handler returns, so a handler that waited for a thread per
+    event let those queues (whole bodies) pile up at fleet scale."""
     ctx: Context = kwargs["memo"].ctx
     _remember_indexes(ctx, kwargs)
     body = kwargs["body"]
     key = (str(kwargs["namespace"]), str(kwargs["name"]))
     if kwargs["event"].get("type") == "DELETED":
-        _forget(ctx, body, key)
-    elif not body["metadata"].get("deletionTimestamp"):
-        reconcile(ctx, body, kwargs, "event", 0)
+        await asyncio.to_thread(_forget, ctx, body, key)
+    elif body["metadata"].get("deletionTimestamp"):
+        return
+    elif settled(ctx, body, kwargs):
+        ctx.refreshes.mark(key)
+    else:
+        await asyncio.to_thread(reconcile, ctx, body, kwargs, "event", 0)
 
 
 def _forget(ctx: Context, body: Mapping[str, Any], key: tuple[str, str]) -> None:

@@ -181,6 +181,30 @@ def apply_children(
     return written.get("Deployment") or live.get("Deployment")
 
 
+def settled(ctx: Context, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> bool:
+    """Nothing for a reconcile to write but status: this generation's plan is cached, the
+    namespace's runtime identity applied, no retry pending, and every child carries its
+    digest (or the spec has a problem, and children are left alone). No render and no API
+    call, so the watch handler asks this on the event loop: most events of an object are the
+    echoes of its own status writes, and they need a coalesced status refresh, not a thread."""
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
+    with ctx.lock:
+        plan = ctx.plans.get((meta["uid"], int(meta.get("generation", 0))))
+        ready = plan is not None and key[0] in ctx.identities
+    if plan is None or not ready or key in ctx.requeue:
+        return False
+    if plan.problems:
+        return True
+    live = {kind: first(indexes.get(idx), key) for kind, idx in INDEX_BY_KIND.items()}
+    if any(obj is not None and kind not in plan.children for kind, obj in live.items()):
+        return False  # one to delete (a PDB after scaling to one)
+    return all(
+        ctx.applier.in_sync((kind, key[0], child.name), child.digest, live.get(kind))
+        for kind, child in plan.children.items()
+    )
+
+
 def pods_of(indexes: Mapping[str, Any], key: tuple[str, str]) -> list[Mapping[str, Any]]:
     pod_index = indexes.get("pod_index")
     return list(pod_index[key]) if pod_index is not None and key in pod_index else []

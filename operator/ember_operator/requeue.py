@@ -47,6 +47,10 @@ class DueTable(Generic[V]):
         with self._lock:
             self._due.pop(key, None)
 
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._due
+
     def pending(self) -> dict[Key, V]:
         with self._lock:
             return {k: value for k, (_, value) in self._due.items()}
