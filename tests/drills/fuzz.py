@@ -102,6 +102,9 @@ def repair(spec: dict[str, Any]) -> dict[str, Any]:
     accelerator = spec.get("accelerator")
     if accelerator is not None and accelerator.get("kind", "cpu") != "cpu":
         accelerator["count"] = max(1, accelerator.get("count", 1))
+    gpu = (accelerator or {}).get("kind") == "nvidia-gpu"
+    if engine is not None and engine.get("gpuLayers", 0) > 0 and not gpu:
+        del engine["gpuLayers"]  # offloading needs a GPU
     thermal = spec.get("thermal")
     if thermal is not None:
         throttle = min(thermal.get("throttleCelsius", 78), 129)
