@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ember_runtime import reasons
+from ember_runtime.prewarm.manifest import fsync_dir
 
 log = logging.getLogger("ember_runtime.nodeagent.cache")
 
@@ -147,7 +148,7 @@ class ContentCache:
             os.fsync(fd)
             os.fchmod(fd, 0o644)
             os.replace(self.partial(want.sha256), final)
-            _fsync_dir(self.blobs)
+            fsync_dir(self.blobs)
         return final
 
 
@@ -277,11 +278,3 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
