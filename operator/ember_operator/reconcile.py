@@ -154,6 +154,21 @@ def ensure_identity(ctx: Context, namespace: str) -> None:
             ctx.identities.add(namespace)
 
 
+def _differences(
+    ctx: Context, key: tuple[str, str], plan: Plan, indexes: Mapping[str, Any]
+) -> tuple[dict[str, Any], set[str], list[str]]:
+    """(live children by kind, kinds to write, kinds to delete — e.g. a PDB after scaling to
+    one), from the indexes and the applier's memory: no API call."""
+    live = {kind: first(indexes.get(idx), key) for kind, idx in INDEX_BY_KIND.items()}
+    stale = {
+        kind
+        for kind, child in plan.children.items()
+        if not ctx.applier.in_sync((kind, key[0], child.name), child.digest, live.get(kind))
+    }
+    unwanted = [kind for kind, obj in live.items() if obj is not None and kind not in plan.children]
+    return live, stale, unwanted
+
+
 def apply_children(
     ctx: Context,
     key: tuple[str, str],
@@ -164,20 +179,14 @@ def apply_children(
     """Write the children whose digest differs from the plan's; delete unwanted ones (the PDB
     after scaling to one). Returns the Deployment as it is now (for status)."""
     ensure_identity(ctx, key[0])
-    live = {kind: first(indexes.get(idx), key) for kind, idx in INDEX_BY_KIND.items()}
-    stale = {
-        kind
-        for kind, child in plan.children.items()
-        if not ctx.applier.in_sync((kind, key[0], child.name), child.digest, live.get(kind))
-    }
+    live, stale, unwanted = _differences(ctx, key, plan, indexes)
     written: dict[str, dict[str, Any]] = {}
     if stale:
         for manifest in manifests_of(ctx, body, plan):
             if manifest["kind"] in stale:
                 written[manifest["kind"]] = ctx.applier.apply(manifest)
-    for kind, obj in live.items():
-        if obj is not None and kind not in plan.children:
-            ctx.applier.delete(kind, key[0], obj["metadata"]["name"])
+    for kind in unwanted:
+        ctx.applier.delete(kind, key[0], live[kind]["metadata"]["name"])
     return written.get("Deployment") or live.get("Deployment")
 
 
@@ -196,13 +205,8 @@ def settled(ctx: Context, body: Mapping[str, Any], indexes: Mapping[str, Any]) -
         return False
     if plan.problems:
         return True
-    live = {kind: first(indexes.get(idx), key) for kind, idx in INDEX_BY_KIND.items()}
-    if any(obj is not None and kind not in plan.children for kind, obj in live.items()):
-        return False  # one to delete (a PDB after scaling to one)
-    return all(
-        ctx.applier.in_sync((kind, key[0], child.name), child.digest, live.get(kind))
-        for kind, child in plan.children.items()
-    )
+    _, stale, unwanted = _differences(ctx, key, plan, indexes)
+    return not stale and not unwanted
 
 
 def pods_of(indexes: Mapping[str, Any], key: tuple[str, str]) -> list[Mapping[str, Any]]:
