@@ -215,14 +215,24 @@ def pct(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def request_body(workload: str, index: int, max_tokens: int) -> tuple[str, dict[str, object]]:
-    """(path, body) of request `index` of a workload: greedy, streaming, the same everywhere."""
+def request_body(
+    workload: str, index: int, max_tokens: int, level: int = 0
+) -> tuple[str, dict[str, object]]:
+    """(path, body) of request `index` of a workload: greedy, streaming, the same everywhere.
+
+    Each request carries a serial (`level`.`index`) near its start, so no prompt repeats
+    within a server's run: a server with a prompt cache that outlives its requests (llama-server's
+    `--cache-ram`) would otherwise serve the later levels' "distinct" prompts from the cache
+    of the earlier levels, and the prefix shared in (b) would be the whole prompt.
+    """
     common = {"max_tokens": max_tokens, "temperature": 0, "stream": True}
+    serial = f"{level}.{index}"
     if workload == "distinct":
-        return "/v1/completions", {"prompt": PROMPTS[index % len(PROMPTS)], **common}
+        prompt = f"Story {serial}. {PROMPTS[index % len(PROMPTS)]}"
+        return "/v1/completions", {"prompt": prompt, **common}
     messages = [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": QUESTIONS[index % len(QUESTIONS)]},
+        {"role": "user", "content": f"Ticket {serial}. {QUESTIONS[index % len(QUESTIONS)]}"},
     ]
     return "/v1/chat/completions", {"messages": messages, **common}
 
@@ -272,7 +282,7 @@ async def run_level(server: Server, workload: str, clients: int, requests: int) 
 
         async def worker(index: int) -> None:
             for i in range(per_client):
-                path, body = request_body(workload, index + i * clients, max_tokens)
+                path, body = request_body(workload, index + i * clients, max_tokens, clients)
                 try:
                     stats.append(await one_request(client, path, body))
                 except httpx.HTTPError as exc:
@@ -339,16 +349,16 @@ print(best)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def ember_config(model: Path, engine: dict[str, bool]) -> Path:
+def ember_config(model: Path, engine: dict[str, object]) -> Path:
     """A RuntimeConfig file (the CLI has no flags for these engine settings)."""
-    name = "-".join(k for k, v in engine.items() if v) or "default"
+    name = "-".join(f"{k}{v}" for k, v in engine.items() if v) or "default"
     path = RESULTS / f"ember-bench-config-{name}.yaml"
     config = {"modelName": model.stem, "modelDir": str(model.parent), "engine": engine}
     path.write_text(json.dumps(config))  # JSON is YAML
     return path
 
 
-def ember(name: str, model: Path, threads: int, **engine: bool) -> Server:
+def ember(name: str, model: Path, threads: int, **engine: object) -> Server:
     port = free_port()
     config = ember_config(model, engine)
     argv = [sys.executable, "-m", "ember_runtime.server", "--config", str(config)]
@@ -396,7 +406,18 @@ def servers(model: Path, threads: int, which: list[str]) -> list[Server]:
         "llama-server": lambda: llama_server(model, threads),
         "llama_cpp.server": lambda: llama_cpp_server(model, threads),
     }
-    return [makers[name]() for name in which]
+    return [
+        makers[name]() if name in makers else _ember_variant(name, model, threads) for name in which
+    ]
+
+
+def _ember_variant(name: str, model: Path, threads: int) -> Server:
+    """`ember:key=value+...`: Ember with these engine settings (JSON values), for experiments,
+    e.g. `ember:stepTokens=1024+kvUnified=true`."""
+    if not name.startswith("ember:"):
+        raise SystemExit(f"unknown server {name!r}")
+    engine = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in name[6:].split("+"))}
+    return ember(f"ember ({name[6:]})", model, threads, **engine)
 
 
 def table(results: list[LevelResult], rss: dict[str, int]) -> str:

@@ -27,7 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from ember_runtime.memory import offloaded_layers, unified_kv
+from ember_runtime.memory import DEFAULT_STEP_TOKENS, offloaded_layers, unified_kv
 
 log = logging.getLogger(__name__)
 DEFAULT_CONFIG_PATH = Path("/etc/ember/config.yaml")
@@ -76,7 +76,7 @@ class EngineSettings(_Wire):
         description="Batch-independent greedy output at a throughput cost (engines/llamacpp).",
     )
     step_tokens: int = Field(
-        default=256,
+        default=DEFAULT_STEP_TOKENS,
         ge=16,
         le=4096,
         description="Prompt tokens per scheduling step beside the decodes (engines/scheduler).",

@@ -10,8 +10,10 @@ checks, before it loads anything, that the same figure fits under its container'
   full size too (llama.cpp does so when several sequences share a context: "full-size SWA
   cache" in its log). The prefix cache lives in these same cells, so it adds nothing.
 * Output and compute buffers: logits for one row per sequence, and one micro-batch of
-  `batch_tokens` rows (a step's prompt tokens plus a decode row per sequence): attention
-  scores and activations.
+  `batch_tokens` rows (a step's prompt tokens plus a decode row per sequence): the attention
+  mask over the cells a row may attend (the whole pool when it is unified) and activations.
+  llama.cpp's flash attention (its `auto` choice on the CPU and CUDA) never materialises the
+  per-head scores; the mask is what grows with the pool.
 * Weights: mmapped. From the memory-backed prewarm volume they are charged to the pod (tmpfs
   pages written by the init container), not to the runtime container's cgroup; without
   prewarm the page cache of the mapped file is charged to the container that reads it.
@@ -41,11 +43,18 @@ F16_BYTES = 2
 F32_BYTES = 4
 MIB = 1 << 20
 RUNTIME_OVERHEAD_BYTES = 192 * MIB  # measured RSS of the idle server besides the model
-DEFAULT_STEP_TOKENS = 256
+# Prompt tokens per step beside the decodes (engines/scheduler). 1024: a burst of 16 prompts
+# of ~75 tokens goes in one step, as llama-server's n_batch takes it; 256 cut it into five
+# steps, each paying the decode rows' 262k-wide output layer again (TTFT p99 1.50 s against
+# llama-server's 1.21 s at 16 clients; 1.13 s at 1024: bench/results/runtime_bench.md).
+DEFAULT_STEP_TOKENS = 1024
 # llama.cpp offloads min(n_gpu_layers, layers + 1): any count above every model's depth is "all".
 ALL_LAYERS = 999
 # Fast mode keeps all sequences in one KV pool (llama-server's -kvu); deterministic mode never.
-UNIFIED_BY_DEFAULT = False
+# Measured (bench/results/runtime_bench.md): any mix of decode rows and prompt chunks is one
+# micro-batch, and a burst with a shared system prompt computes it once (shared-chat at 16
+# clients: 2.2x the tok/s of per-sequence streams, TTFT p99 0.55 s against 3.97 s).
+UNIFIED_BY_DEFAULT = True
 
 
 def offloaded_layers(gpu_layers: int | None, accelerator: str) -> int:
@@ -166,12 +175,13 @@ def kv_cache_bytes(shape: GGUFShape, cells: int) -> int:
 
 def compute_buffer_bytes(shape: GGUFShape, attended: int, ubatch: int, outputs: int) -> int:
     """The output buffer (logits of at most `outputs` rows: the engine sets `n_outputs_max` to
-    one per sequence) plus the graph's compute buffer: those logits again, then per row of
-    the micro-batch the attention scores over the `attended` KV cells and the activations.
+    one per sequence) plus the graph's compute buffer (`graph_buffer_bytes`).
 
-    An upper bound of what llama.cpp reports for Gemma 3 270M (measured: 16 + 17.1 MiB at
-    2048 x 16, 4 + 9.5 MiB at 512 x 4; this gives 46 and 15 MiB). Without the output limit
-    llama.cpp would size logits for every row: ~514 MiB at a 512-row micro-batch.
+    An upper bound of what llama.cpp reports for Gemma 3 270M at 2048 x 16 (output 16 MiB;
+    compute, measured / this rule): per-sequence streams 17.1 / 26.1 MiB at 256 prompt tokens
+    per step, 44.2 / 54.6 at 1024; one pool 43.4 / 58.0 at 256, 166.1 / 176.5 at 1024; and
+    at 512 x 16 in one pool at 1024, 68.6 / 79.0. Without the output limit llama.cpp would
+    size logits for every row: ~514 MiB at a 512-row micro-batch.
     """
     return output_buffer_bytes(shape, outputs) + graph_buffer_bytes(
         shape, attended, ubatch, outputs
@@ -184,8 +194,10 @@ def output_buffer_bytes(shape: GGUFShape, outputs: int) -> int:
 
 
 def graph_buffer_bytes(shape: GGUFShape, attended: int, ubatch: int, outputs: int) -> int:
-    """The compute graph's buffer: in device memory once layers are offloaded."""
-    per_row = shape.heads * attended * F32_BYTES + shape.embedding * F32_BYTES * 8
+    """The compute graph's buffer (in device memory once layers are offloaded): the output
+    layer's logits, then per micro-batch row a mask entry for every cell it may attend and
+    its activations (~11 embedding-wide f32 vectors measured; 12 counted)."""
+    per_row = attended * F32_BYTES + shape.embedding * F32_BYTES * 12
     return output_buffer_bytes(shape, outputs) + ubatch * per_row
 
 
@@ -218,7 +230,7 @@ def engine_memory(
     sequences: int,
     step_tokens: int = DEFAULT_STEP_TOKENS,
     overhead: int = RUNTIME_OVERHEAD_BYTES,
-    unified: bool = False,
+    unified: bool = UNIFIED_BY_DEFAULT,
     offload: Offload = CPU_ONLY,
 ) -> EngineMemory:
     """What the llama.cpp engine allocates besides the weights (see the module docstring).

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from ember_operator import quantity, sizing
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
@@ -32,17 +33,31 @@ def test_reads_the_gemma_header(gemma_gguf: Path) -> None:
     assert shape.context >= 32_768
 
 
-def test_buffers_match_what_llama_cpp_reports(gemma_gguf: Path) -> None:
+# llama.cpp's own log ("output buffer size", "compute buffer size") for the engine's context:
+# (context, sequences, one KV pool, prompt tokens per step) -> (output, compute) MiB.
+LLAMA_CPP_REPORTED = {
+    (2048, 16, False, 256): (16, 17.1),
+    (2048, 16, False, 1024): (16, 44.2),
+    (2048, 16, True, 256): (16, 43.4),
+    (2048, 16, True, 1024): (16, 166.1),
+    (512, 16, True, 1024): (16, 68.6),
+    (512, 4, False, 256): (4, 9.5),
+}
+
+
+@pytest.mark.parametrize(("layout", "reported"), list(LLAMA_CPP_REPORTED.items()))
+def test_buffers_match_what_llama_cpp_reports(
+    gemma_gguf: Path, layout: tuple[int, int, bool, int], reported: tuple[float, float]
+) -> None:
+    context, sequences, unified, step = layout
     shape = memory.read_gguf_shape(gemma_gguf)
-    # llama.cpp's own log for the engine's context at 2048 x 16 (n_ctx 32768, 272-row
-    # micro-batch, 16 outputs): KV 96 + 480 MiB, output buffer 16 MiB, compute 17.1 MiB.
-    need = memory.engine_memory(shape, context=2048, sequences=16)
-    assert need.kv_cache == 576 * MIB
-    assert (16 + 17.1) * MIB <= need.compute_buffer <= 2 * (16 + 17.1) * MIB
-    # and at 512 x 4: KV 6 + 30 MiB, output 4 MiB, compute 9.5 MiB
-    small = memory.engine_memory(shape, context=512, sequences=4)
-    assert small.kv_cache == 36 * MIB
-    assert (4 + 9.5) * MIB <= small.compute_buffer <= 2 * (4 + 9.5) * MIB
+    need = memory.engine_memory(
+        shape, context=context, sequences=sequences, unified=unified, step_tokens=step
+    )
+    # one KV cell per token of context per sequence, pooled or not (KV 96 + 480 MiB at 2048 x 16)
+    assert need.kv_cache == context * sequences * 18 * 2 * 256 * 2
+    low = sum(reported) * MIB
+    assert low <= need.compute_buffer <= 1.5 * low  # an upper bound, and not a wasteful one
 
 
 def test_memory_covers_tmpfs_weights_kv_and_compute(gemma_gguf: Path) -> None:

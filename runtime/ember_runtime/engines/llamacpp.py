@@ -1,7 +1,8 @@
 """Continuous batching over llama.cpp's low-level API (llama-cpp-python's ctypes bindings).
 
-One context holds `capacity` sequences, each with its own `seq_id` and its own KV stream
-(`kv_unified=False`: attention per sequence). A single thread runs the decode loop; what goes
+One context holds `capacity` sequences, each with its own `seq_id`, in one KV pool of
+`contextLength x capacity` cells (fast mode) or one KV stream per sequence (deterministic).
+A single thread loads the model and runs the decode loop (see `_main` for why one); what goes
 into each step is decided by the policy in `engines/scheduler.py` (no model needed to read or
 test it), this module only binds it to llama.cpp: it fills the batch, calls `llama_decode`,
 samples, and hands one step's deltas to the event loop in one `call_soon_threadsafe`. ctypes
@@ -24,30 +25,33 @@ Two modes (measured on this project's 2-core x86 box with Gemma 3 270M Q4_K_M;
   an extra pass over the weights per step from the (exact_rows + 1)th sequence on, one prompt
   chunk per step, no prompt reuse.
 
-Common to both: with one KV stream per sequence llama.cpp splits a batch into ubatches of
-consecutive seq_ids taking the same number of tokens from each (`split_equal`), each a full
-pass over the weights, so running sequences are kept on seq_ids 0..n-1 (`_compact`; this
-changes no numbers), and a step that mixes decode rows with prompt chunks costs an extra pass
-or two. `kv_unified` (runtime config `engine.kvUnified`, fast mode only, off by default until
-the full benchmark decides) puts every sequence in one pool, as llama-server's `-kvu`: any step
-is one ubatch and a new request shares a running one's prompt cells (`_share_live_prefix`).
-Not covered: a single sequence past 256 tokens of context alone may take
-llama.cpp's split-KV attention path, which a batched one does not (not measured).
+KV layout. Fast mode puts every sequence in one pool (`kv_unified`, as llama-server's `-kvu`;
+runtime config `engine.kvUnified` can turn it off): any step is one micro-batch whatever its
+mix of decode rows and prompt chunks, and a new request shares a running one's computed prompt
+cells (`_share_live_prefix`). Deterministic mode gives every sequence its own stream, so
+attention never spans another sequence's (masked) cells; llama.cpp then cuts a batch into
+micro-batches of consecutive seq_ids taking the same number of tokens from each
+(`split_equal`), each a full pass over the weights, so running sequences are kept on seq_ids
+0..n-1 (`_compact`; this changes no numbers). Not covered: a single sequence past 256 tokens
+of context alone may take llama.cpp's split-KV attention path, which a batched one does not
+(not measured).
 
 The prefix cache: a finished request's prompt stays in its seq_id's KV cells, and a new request
 takes the free seq_id whose cached prompt shares the longest prefix with its own (a chat system
-prompt, few-shot examples), decoding only the rest. It costs no memory (the cells are allocated
-per sequence anyway, `contextLength x maxBatchSize`) and is bounded by the number of sequences;
-an entry is evicted only when its seq_id is needed by a request that shares nothing longer with
-any other free seq_id — so the most useful prefixes survive. Prefixes are not copied between
-live sequences (with one KV stream per sequence a copy moves the whole stream buffer): a burst
-of requests with a new shared prefix computes it once per sequence, later ones reuse it.
+prompt, few-shot examples), decoding only the rest. It costs no memory (the pool holds
+`contextLength x maxBatchSize` cells anyway) and is bounded by the number of sequences; an
+entry is evicted only when its seq_id is needed by a request that shares nothing longer with
+any other free seq_id — so the most useful prefixes survive. In the pool a running sequence's
+prompt is shared too (a copy only tags cells with one more seq_id), so a burst with a new
+shared system prompt computes it once per step it arrives in; with per-sequence streams
+(deterministic mode has the prefix cache off) a copy would move the whole stream buffer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import ctypes
 import logging
 import threading
@@ -79,6 +83,7 @@ from ember_runtime.engines.base import (
 from ember_runtime.engines.chat import render_template
 from ember_runtime.engines.scheduler import Call, Policy, admissible, plan_step, split_active
 from ember_runtime.engines.text import TextAssembler
+from ember_runtime.memory import DEFAULT_STEP_TOKENS, unified_kv
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +192,11 @@ class LlamaCppEngine:
         threads: int,
         max_queue: int,
         model_id: str | None = None,
-        step_tokens: int = 256,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
         deterministic: bool = False,
         prefix_cache: bool | None = None,
         repack: bool | None = None,
-        kv_unified: bool = False,
+        kv_unified: bool | None = None,
         gpu_layers: int = 0,
         observer: StepObserver | None = None,
     ) -> None:
@@ -227,7 +232,7 @@ class LlamaCppEngine:
         # One KV pool for all sequences (llama-server's -kvu): a batch is one micro-batch
         # whatever its mix of sequences; per-sequence streams need equal-length splits.
         # Never in deterministic mode: attention would span other sequences' (masked) cells.
-        self._unified = kv_unified and not deterministic
+        self._unified = unified_kv(deterministic, kv_unified)
         self._policy = Policy(deterministic=deterministic, step_tokens=step_tokens)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -250,9 +255,32 @@ class LlamaCppEngine:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._load)
-        self._thread = threading.Thread(target=self._run, name="ember-decode", daemon=True)
+        loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._main, args=(loaded,), name="ember-decode", daemon=True
+        )
         self._thread.start()
+        await asyncio.wrap_future(loaded)
+
+    def _main(self, loaded: concurrent.futures.Future[None]) -> None:
+        """The decode thread: loads the model, then runs the decode loop.
+
+        Every llama.cpp call that computes (the warm-up, the row probe, each step) happens on
+        this one thread. llama.cpp's CPU backend is built with OpenMP, and libgomp keeps a
+        team of worker threads per thread that has called into it; once the process has more
+        of those threads than CPUs (a second calling thread on 2 CPUs is enough), libgomp
+        stops spinning at its barriers and sleeps on a futex at each of the hundreds of
+        barriers in a forward pass. Measured on the 2-core box: a single-stream token took
+        12.4 ms when the warm-up ran on another thread, 10.7 ms (as from the main thread, and
+        as llama-server) when every decode runs on one (`bench/results/runtime_bench.md`).
+        """
+        try:
+            self._load()
+        except BaseException as exc:  # handed to start()'s caller, whatever it is
+            loaded.set_exception(exc)
+            return
+        loaded.set_result(None)
+        self._run()
 
     async def stop(self) -> None:
         with self._cond:

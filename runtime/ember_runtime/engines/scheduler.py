@@ -17,6 +17,11 @@ The rules, and why:
   Decodes always go first, so a burst of new prompts costs the running streams at most one
   `step_tokens` chunk of extra work per token (their inter-token latency stays bounded),
   while a long prompt is split over several steps instead of stalling everyone at once.
+  The budget (1024 by default) is a trade: cutting a burst finer spreads the running streams'
+  stall over more tokens without shrinking it, and every extra step pays the decode rows'
+  output layer again (262k columns for Gemma 3), which delays the burst's last first token.
+  At 256 a 16-prompt burst took five steps and its TTFT p99 was 1.24x llama-server's; at
+  1024 it takes one or two, 0.92-0.96x (`bench/results/runtime_bench.md`).
   Arrival order (not round-robin) for prompts, because it minimises the mean time to first
   token and keeps the p99 the same: a burst's last prompt waits for all the prompt tokens
   before it either way.
@@ -33,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
+
+from ember_runtime.memory import DEFAULT_STEP_TOKENS
 
 
 class Schedulable(Protocol):
@@ -78,7 +85,7 @@ class Call(Generic[S]):
 @dataclass(frozen=True, slots=True)
 class Policy:
     deterministic: bool = False
-    step_tokens: int = 256  # prompt tokens per step (fast), the prompt chunk (deterministic)
+    step_tokens: int = DEFAULT_STEP_TOKENS  # prompt tokens per step (fast); the chunk (determ.)
     exact_rows: int = 1  # deterministic: the widest decode call, probed at load
 
     def __post_init__(self) -> None:
