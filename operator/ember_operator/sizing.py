@@ -16,8 +16,8 @@ weights, their KV cells and the compute graph live in device memory: the pod's m
 only the host side (the prewarm volume, when enabled, still holds every weight in host memory),
 and the device figures are reported beside it (`deviceMemory` in the ConfigMap's sizing.yaml).
 
-The GGUF header (read with `gguf.GGUFReader`, memory-mapped, no weights loaded) gives the exact
-shape; without a readable header the figures are a stated, conservative estimate.
+The GGUF header (`ember_runtime.gguf_header`: one streaming pass, no weights, no vocabulary)
+gives the exact shape; without a readable header the figures are a stated, conservative estimate.
 Threads follow the CPU limit, never above it: 2 threads on 2 busy cores measured 0.38x of 1.
 """
 

@@ -34,7 +34,9 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ember_runtime.gguf_header import LongArray, read_header
 
 if TYPE_CHECKING:
     from ember_runtime.config import RuntimeConfig
@@ -113,22 +115,15 @@ class GGUFShape:
     value_length: int
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 @functools.lru_cache(maxsize=64)
 def _read_cached(path: str, size: int, mtime_ns: int) -> GGUFShape:
-    # Lazy: gguf pulls in numpy (~25 MB RSS), needed only when a header is actually readable.
-    from gguf import GGUFReader  # noqa: PLC0415
-
-    reader = GGUFReader(path, "r")
-    arch = str(_field(reader, "general.architecture"))
+    # A streaming read of the key/value header only (gguf_header explains why not GGUFReader).
+    fields = read_header(Path(path))
+    arch = str(fields.get("general.architecture", ""))
 
     def num(key: str, default: int | None = None) -> int:
-        value = _field(reader, f"{arch}.{key}")
-        if value is None:
+        value = fields.get(f"{arch}.{key}")
+        if value is None or isinstance(value, (str, LongArray)):
             if default is None:
                 raise ValueError(f"{path}: GGUF header lacks {arch}.{key}")
             return default
@@ -136,8 +131,8 @@ def _read_cached(path: str, size: int, mtime_ns: int) -> GGUFShape:
 
     embedding = num("embedding_length")
     heads = num("attention.head_count")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else num("vocab_size")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    vocab = tokens.length if isinstance(tokens, LongArray) else num("vocab_size")
     return GGUFShape(
         architecture=arch,
         layers=num("block_count"),
