@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from ember_runtime import reasons
 from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256
 
 from tests.cluster.paths import bin_dir
@@ -98,10 +99,15 @@ def _port_open(port: int) -> bool:
     return False
 
 
+# Reasons that never clear by themselves (a transient FailedMount or Unschedulable on a busy
+# node does, so those are waited out like any slow start).
+FATAL = {reasons.OOM_KILLED, reasons.ENGINE_MEMORY_OVER_LIMIT, reasons.CRASH_LOOP_BACK_OFF}
+
+
 def _ready_or_fail(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
-    """The Ready condition once True; fails at once, saying why, when the replica is Degraded."""
+    """The Ready condition once True; fails at once, saying why, on a reason that is final."""
     degraded = _condition(kube, namespace, name, "Degraded")
-    if degraded is not None:
+    if degraded is not None and degraded["reason"] in FATAL:
         pods = rest.items(kube.api, "pods", namespace, label_selector=f"ember.dev/instance={name}")
         statuses = [p["status"].get("containerStatuses") for p in pods]
         pytest.fail(f"Degraded: {json.dumps(degraded)}\n{json.dumps(statuses, indent=1)}")

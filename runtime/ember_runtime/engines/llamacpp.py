@@ -270,9 +270,9 @@ class LlamaCppEngine:
         team of worker threads per thread that has called into it; once the process has more
         of those threads than CPUs (a second calling thread on 2 CPUs is enough), libgomp
         stops spinning at its barriers and sleeps on a futex at each of the hundreds of
-        barriers in a forward pass. Measured on the 2-core box: a single-stream token took
-        12.4 ms when the warm-up ran on another thread, 10.7 ms (as from the main thread, and
-        as llama-server) when every decode runs on one (`bench/results/runtime_bench.md`).
+        barriers in a forward pass. Measured on the 2-core box with a bare decode loop: a
+        single-stream token took 12.4-12.8 ms from a second calling thread, 10.7 ms from the
+        first (main or not); in the engine, 12.3 ms before this and 10.9 ms after.
         """
         try:
             self._load()
