@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.e2e.flow import DegradedClock
+from tests.e2e.flow import REFUSED, DegradedClock
 
 
 def _obj(reason: str | None, message: str = "") -> dict[str, Any]:
@@ -34,3 +34,11 @@ def test_a_reason_that_clears_or_changes_restarts_the_clock() -> None:
         now[0] += 60
     assert clock.update(_obj("Pulling")) is None  # 60 s of this reason so far
     assert clock.update({"status": {}}) is None  # no conditions yet
+
+
+def test_refused_matches_a_403_but_not_a_timestamp() -> None:
+    clean = "[2026-11-30 18:36:53,403] ember_operator.apply [INFO    ] applied Deployment t/rbac"
+    assert not REFUSED.search(clean)
+    assert REFUSED.search("kubernetes.client.exceptions.ApiException: (403)")
+    assert REFUSED.search('events "x" is forbidden: User cannot create')
+    assert REFUSED.search("HTTP 403 on PATCH")
