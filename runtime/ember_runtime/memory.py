@@ -48,14 +48,15 @@ RUNTIME_OVERHEAD_BYTES = 192 * MIB  # measured RSS of the idle server besides th
 # Prompt tokens per step beside the decodes (engines/scheduler). 1024: a burst of 16 prompts
 # of ~75 tokens goes in one step, as llama-server's n_batch takes it; 256 cut it into five
 # steps, each paying the decode rows' 262k-wide output layer again (TTFT p99 1.50 s against
-# llama-server's 1.21 s at 16 clients; 1.13 s at 1024: bench/results/runtime_bench.md).
+# llama-server's 1.21 s at 16 clients; 1.13 s at 1024, in runs of bench/runtime_bench.py with
+# `--servers ember:stepTokens=...` at 32 requests; the default's full run is in bench/results).
 DEFAULT_STEP_TOKENS = 1024
 # llama.cpp offloads min(n_gpu_layers, layers + 1): any count above every model's depth is "all".
 ALL_LAYERS = 999
 # Fast mode keeps all sequences in one KV pool (llama-server's -kvu); deterministic mode never.
-# Measured (bench/results/runtime_bench.md): any mix of decode rows and prompt chunks is one
-# micro-batch, and a burst with a shared system prompt computes it once (shared-chat at 16
-# clients: 2.2x the tok/s of per-sequence streams, TTFT p99 0.55 s against 3.97 s).
+# Any mix of decode rows and prompt chunks is one micro-batch, and a burst with a shared system
+# prompt computes it once (shared-chat at 16 clients: 2.2x the tok/s of per-sequence streams,
+# TTFT p99 0.55 s against 3.97 s; `--servers ember:kvUnified=...`, 32 requests).
 UNIFIED_BY_DEFAULT = True
 
 

@@ -21,7 +21,8 @@ The rules, and why:
   stall over more tokens without shrinking it, and every extra step pays the decode rows'
   output layer again (262k columns for Gemma 3), which delays the burst's last first token.
   At 256 a 16-prompt burst took five steps and its TTFT p99 was 1.24x llama-server's; at
-  1024 it takes one or two, 0.92-0.96x (`bench/results/runtime_bench.md`).
+  1024 it takes one or two, 0.92-0.96x (bench/runtime_bench.py; the full run of the default
+  is in bench/results/runtime_bench.md).
   Arrival order (not round-robin) for prompts, because it minimises the mean time to first
   token and keeps the p99 the same: a burst's last prompt waits for all the prompt tokens
   before it either way.
