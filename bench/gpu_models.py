@@ -18,7 +18,7 @@ tokenizer. The output rows of special and byte tokens are zero, so greedy decodi
 end-of-sequence (every request generates exactly `max_tokens`, on every server) nor a lone byte
 (which would stream as an empty chunk).
 
-    python bench/gpu_models.py --out DIR [--only gemma3-270m,llama-8b]
+    python bench/gpu_models.py --out DIR [--only gemma3-270m,llama-3b,llama-8b]
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ class Shape:
 SHAPES = {
     "gemma3-270m": Shape(
         "gemma3", 18, 640, 2048, 4, 1, 256, 262_144, 32_768, 1e6, GGMLQuantizationType.Q8_0, True
+    ),
+    # Llama 3.2 3B, Q8_0: 3.4 GB, like the published Q8_0 files (bench/prewarm_bench.py's
+    # ≥ 2 GB model).
+    "llama-3b": Shape(
+        "llama", 28, 3072, 8192, 24, 8, 128, 128_256, 131_072, 5e5, GGMLQuantizationType.Q8_0, True
     ),
     "llama-8b": Shape(
         "llama",
@@ -226,7 +231,7 @@ def _metadata(writer: GGUFWriter, shape: Shape, name: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--only", default=",".join(SHAPES))
+    ap.add_argument("--only", default="gemma3-270m,llama-8b")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.only.split(","):

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,11 +66,17 @@ def start_runtime(
     thermal: ThermalPolicy | None = None,
     env: dict[str, str] | None = None,
     nvml: bool = False,
+    model: Path | None = None,
+    preexec: Callable[[], None] | None = None,
+    ready_timeout: float = 180.0,
+    poll: float = 0.2,
 ) -> RuntimeProcess:
     """`env` extra variables, e.g. POD_NAME/POD_NAMESPACE/KUBERNETES_SERVICE_HOST and
     EMBER_SERVICEACCOUNT_DIR to have it report its condition to a real API server. `nvml`: the
-    NVML sensor on, as the operator renders it for `accelerator: nvidia-gpu`."""
-    model = default_model_path()
+    NVML sensor on, as the operator renders it for `accelerator: nvidia-gpu`. `model`: another
+    GGUF than the packaged one; `preexec` runs in the child before exec (bench/prewarm_bench.py
+    moves it into a throttled cgroup); returns once /readyz answers 200, polled every `poll` s."""
+    model = model or default_model_path()
     key_file = None
     if api_key is not None:
         key_file = workdir / "api-key"
@@ -116,11 +122,15 @@ def start_runtime(
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=preexec,  # noqa: PLW1509 (the caller starts no threads first)
         )
     url = f"http://127.0.0.1:{port}"
     running = RuntimeProcess(proc, url, log)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"runtime exited {proc.returncode}:\n{log.read_text()[-3000:]}")
@@ -129,6 +139,6 @@ def start_runtime(
                 return running
         except httpx.TransportError:
             pass
-        time.sleep(0.2)
+        time.sleep(poll)
     running.stop()
-    raise RuntimeError(f"runtime not ready in 180 s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"runtime not ready in {ready_timeout:.0f} s:\n{log.read_text()[-3000:]}")
