@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from ember_runtime.deviceplugin.allocator import (
+    Allocation,
     AllocationError,
     Checkpoint,
     CheckpointError,
@@ -113,14 +114,27 @@ def test_preferred_units_rejects(available: list[str], must: list[str], size: in
         preferred_units(available, must, size)
 
 
-def test_superseded_unseen_allocation_released_without_waiting(tmp_path: Path) -> None:
-    alloc = ContextAllocator(Checkpoint(tmp_path / "a.json"), id_space=10, node_ordinal=None)
+def test_superseded_unseen_allocation_released_by_the_allocate_itself(tmp_path: Path) -> None:
+    heard: list[Allocation] = []
+    checkpoint = Checkpoint(tmp_path / "a.json")
+    alloc = ContextAllocator(checkpoint, id_space=10, node_ordinal=None, on_release=heard.extend)
     alloc.allocate([["davinci0-ctx0"]])  # pod deleted before PodResources ever showed it
     alloc.allocate([["davinci0-ctx1"]])
     alloc.allocate([["davinci0-ctx0"]])  # the kubelet reassigned the unit: the first is gone
-    released = alloc.reconcile({}, grace=1000)
-    assert [r.contexts for r in released] == [{"davinci0": 0}]
+    assert [r.contexts for r in heard] == [{"davinci0": 0}]
     assert alloc.live_ids() == {1, 2}
+    # ...in the same checkpoint write: a restarted plugin does not resurrect it
+    assert [a["contexts"] for a in checkpoint.read_live()] == [{"davinci0": 1}, {"davinci0": 2}]
+    assert alloc.reconcile({}, grace=1000) == []
+
+
+def test_checkpoint_stays_a_node_long_under_churn(tmp_path: Path) -> None:
+    checkpoint = Checkpoint(tmp_path / "a.json")
+    alloc = ContextAllocator(checkpoint, id_space=1000, node_ordinal=None)
+    units = [f"davinci{d}-ctx{c}" for d in range(4) for c in range(2)]
+    for i in range(200):  # no reconcile in between: pods come and go faster than it runs
+        alloc.allocate([[units[i % len(units)]]])
+    assert len(checkpoint.read_live()) == len(units)
 
 
 def test_stale_snapshot_never_binds_to_the_previous_holder(tmp_path: Path) -> None:

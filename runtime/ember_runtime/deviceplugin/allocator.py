@@ -15,11 +15,10 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,15 +109,22 @@ class Checkpoint:
         header = {"version": CHECKPOINT_VERSION, "checksum": hashlib.sha256(body).hexdigest()}
         payload = json.dumps(header).encode() + b"\n" + body
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        # One fixed temp name: the allocator's lock serialises writers in this process, and a
+        # SIGKILLed predecessor's leftover is simply truncated (mkstemp's random name cost more
+        # than the write itself).
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                view = memoryview(payload)
+                while view:  # a regular file takes it in one go unless the disk is full
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, self.path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
         dir_fd = os.open(self.path.parent, os.O_RDONLY)
         try:
@@ -137,8 +143,16 @@ class Checkpoint:
 class ContextAllocator:
     """Thread-safe issuer of context IDs backed by a `Checkpoint`."""
 
-    def __init__(self, checkpoint: Checkpoint, id_space: int, node_ordinal: int | None) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        id_space: int,
+        node_ordinal: int | None,
+        on_release: Callable[[list[Allocation]], None] | None = None,
+    ) -> None:
+        """`on_release` hears of allocations an Allocate superseded (called outside the lock)."""
         self._checkpoint = checkpoint
+        self._on_release = on_release
         self._id_space = id_space
         self._base = (node_ordinal or 0) * id_space
         self._lock = threading.Lock()
@@ -182,6 +196,7 @@ class ContextAllocator:
 
         Each call is all or nothing on its own; a refused call gets its error in its slot.
         """
+        gone: list[Allocation] = []
         with self._lock:
             cursor = self._state.cursor
             taken: set[int] = set()
@@ -197,10 +212,17 @@ class ContextAllocator:
                 results.append(allocs)
                 taken |= {cid for a in allocs for cid in a.contexts.values()}
             if issued:
-                saved = _State(cursor, [*self._state.allocations, *issued])
+                # The kubelet hands a unit out again only once the container holding it is
+                # gone, so what the new allocations supersede goes in the same write: the
+                # checkpoint (serialised on every Allocate) stays about a node's worth of units
+                # long however fast pods churn, and its contexts are free at once.
+                keep, gone = _without_superseded([*self._state.allocations, *issued])
+                saved = _State(cursor, keep)
                 self._checkpoint.save(saved)
                 self._state = saved
-                self._live |= taken
+                self._live = {cid for a in keep for cid in a.contexts.values()}
+        if gone and self._on_release is not None:
+            self._on_release(gone)
         return results
 
     def _issue(
@@ -288,6 +310,20 @@ def _devices_of(units: Sequence[str]) -> list[str]:
     return devices
 
 
+def _without_superseded(
+    allocations: Sequence[Allocation],
+) -> tuple[list[Allocation], list[Allocation]]:
+    """(kept, superseded): an allocation is superseded once newer ones took all its units."""
+    keep: list[Allocation] = []
+    gone: list[Allocation] = []
+    newer_units: set[str] = set()
+    for alloc in reversed(allocations):  # newest first, as in _partition
+        (gone if alloc.unit_set <= newer_units else keep).append(alloc)
+        newer_units |= alloc.unit_set
+    keep.reverse()
+    return keep, gone
+
+
 def _partition(
     allocations: Sequence[Allocation],
     owners: Mapping[str, frozenset[str]],
@@ -299,18 +335,13 @@ def _partition(
 ) -> tuple[list[Allocation], list[Allocation]]:
     keep: list[Allocation] = []
     held_by = {unit: owner for owner, units in owners.items() for unit in units}
-    released: list[Allocation] = []
+    # The kubelet hands a unit out again only once the container holding it is gone, so an
+    # allocation whose units were all allocated again later is superseded, bound or not.
+    current, released = _without_superseded(allocations)
     claimed: set[str] = set()
-    newer_units: set[str] = set()
-    # Newest first (the list is in issue order; wall clocks can jump). The kubelet hands a unit
-    # out again only once the container holding it is gone, so an allocation whose units were
-    # all allocated again later is superseded, bound or not.
-    for alloc in reversed(allocations):
-        superseded = alloc.unit_set <= newer_units
-        newer_units |= alloc.unit_set
-        if superseded:
-            released.append(alloc)
-        elif alloc.owner is not None:
+    # Newest first (the list is in issue order; wall clocks can jump).
+    for alloc in reversed(current):
+        if alloc.owner is not None:
             held = alloc.unit_set <= owners.get(alloc.owner, frozenset())
             taken = any(held_by.get(u, alloc.owner) != alloc.owner for u in alloc.units)
             if held or (keep_missing and not taken):

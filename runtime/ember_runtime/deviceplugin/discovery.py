@@ -51,8 +51,10 @@ class DevNodeDiscovery:
         self._glob = glob
         self._control = control
         self._warned: set[str] = set()
+        self._control_found: list[Path] | None = None
 
     def scan(self) -> list[NpuDevice]:
+        self._control_found = None  # looked up again on the next Allocate
         found = []
         for path in self._root.glob(self._glob):
             match = _TRAILING_INDEX.search(path.name)
@@ -65,7 +67,13 @@ class DevNodeDiscovery:
         return sorted(found)
 
     def control_nodes(self) -> list[Path]:
-        return [self._root / name for name in self._control if (self._root / name).exists()]
+        # Every Allocate asks; the answer changes only with the device nodes, which every
+        # (inotify-driven or periodic) scan re-reads, so look once per scan, not per call.
+        if self._control_found is None:
+            self._control_found = [
+                self._root / name for name in self._control if (self._root / name).exists()
+            ]
+        return self._control_found
 
     def watch_dir(self) -> Path:
         return self._root

@@ -35,7 +35,10 @@ class NpuDevicePlugin:
             self.source, probe, settings.rescan_interval_seconds, settings.health_interval_seconds
         )
         self.allocator = ContextAllocator(
-            Checkpoint(settings.checkpoint_path), settings.id_space, settings.node_ordinal
+            Checkpoint(settings.checkpoint_path),
+            settings.id_space,
+            settings.node_ordinal,
+            on_release=self._count_released,  # gauges: the metrics loop, within 1 s
         )
         self.metrics = PluginMetrics()
         self.reconciler = Reconciler(
@@ -115,8 +118,11 @@ class NpuDevicePlugin:
                 self.settings.kubelet_socket,
             )
 
-    def _on_release(self, released: list[Allocation]) -> None:
+    def _count_released(self, released: list[Allocation]) -> None:
         self.metrics.released.inc(sum(len(a.contexts) for a in released))
+
+    def _on_release(self, released: list[Allocation]) -> None:
+        self._count_released(released)
         self._refresh_metrics()
 
     def _refresh_metrics(self) -> None:

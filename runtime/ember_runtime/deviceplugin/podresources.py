@@ -93,8 +93,10 @@ class Reconciler:
                 log.warning("PodResources List failed (%s); releasing nothing", exc.code())
                 return None
             settling = time.monotonic() < self._trust_after
-            released = self._allocator.reconcile(
-                owners, self._grace, listed_at, keep_missing=settling
+            # In a worker thread: it may write the checkpoint (fsync), and the event loop must
+            # keep answering Allocate and ListAndWatch meanwhile.
+            released = await asyncio.to_thread(
+                self._allocator.reconcile, owners, self._grace, listed_at, keep_missing=settling
             )
         if released:
             self._on_release(released)
