@@ -28,6 +28,7 @@ _RE = re.compile(
     r"(?P<suffix>[KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
 )
 MIB = 2**20
+MAX_EXPONENT = 30
 
 
 def parse(value: str | int | float) -> Fraction:
@@ -43,7 +44,13 @@ def parse(value: str | int | float) -> Fraction:
         return number * _BINARY[suffix]
     if suffix in _DECIMAL:
         return number * _DECIMAL[suffix]
-    return number * Fraction(10) ** int(suffix[1:])
+    exponent = int(suffix[1:])
+    # 10**exponent is exact big-integer arithmetic: "1e999999999" (which the API server's
+    # pattern accepts) would hold the GIL for hours and stall the whole operator. Nothing a
+    # spec sizes comes near 1e±30; int64, the API server's own range, ends near 9.2e18.
+    if abs(exponent) > MAX_EXPONENT:
+        raise ValueError(f"{value!r} is out of range (exponent beyond ±{MAX_EXPONENT})")
+    return number * Fraction(10) ** exponent
 
 
 def is_quantity(value: object) -> bool:

@@ -96,6 +96,43 @@ def live_contexts(checkpoint: Path) -> dict[int, str | None]:
     }
 
 
+def kubelet_npu_units(pod_resources_socket: Path) -> int:
+    """The ember.dev/npu units the kubelet's own device manager holds now (PodResources
+    GetAllocatableResources). Right after a restart the node object in the API server still
+    shows the old allocatable while the kubelet has none until the plugin's ListAndWatch
+    delivers them, and a pod admitted in between fails with UnexpectedAdmissionError."""
+    from ember_runtime.deviceplugin.api import podresources_pb2 as pr
+
+    request = pr.AllocatableResourcesRequest()
+    resp = _pod_resources(pod_resources_socket, "GetAllocatableResources", request)
+    if resp is None:
+        return 0  # the kubelet is not serving yet
+    return sum(len(d.device_ids) for d in resp.devices if d.resource_name == RESOURCE)
+
+
+def kubelet_pods(pod_resources_socket: Path) -> set[str]:
+    """The pods the kubelet lists through PodResources: once its API source has delivered them
+    after a restart. Until then the device manager keeps the units of pods deleted meanwhile
+    (it prunes only once its pod sources are ready), so a pod admitted that early can find
+    every unit still "in use" and be refused with UnexpectedAdmissionError."""
+    from ember_runtime.deviceplugin.api import podresources_pb2 as pr
+
+    resp = _pod_resources(pod_resources_socket, "List", pr.ListPodResourcesRequest())
+    return set() if resp is None else {p.name for p in resp.pod_resources}
+
+
+def _pod_resources(socket: Path, method: str, request: Any) -> Any:
+    import grpc
+    from ember_runtime.deviceplugin.api import podresources_pb2_grpc as pr_grpc
+
+    try:
+        with grpc.insecure_channel(f"unix://{socket}") as channel:
+            stub = pr_grpc.PodResourcesListerStub(channel)
+            return getattr(stub, method)(request, timeout=5)
+    except grpc.RpcError:
+        return None
+
+
 def npu_capacity(core: Any, node_name: str) -> int:
     """The node's allocatable ember.dev/npu as the API server has it (0 when absent)."""
     status = core.read_node(node_name).status

@@ -72,15 +72,42 @@ def table(rows: list[tuple[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# pytest node ID -> the drill it recorded; conftest's report hook adds the verdict.
+RECORDED: dict[str, str] = {}
+
+
 def record(drill: str, result: dict[str, Any], rows: list[tuple[str, Any]]) -> None:
-    """Full runs only: merge this drill's result into bench/results/drills.{json,md}."""
-    path = RESULTS / "drills.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
+    """Full runs only: merge this drill's result into bench/results/drills.{json,md}. Called
+    before the drill's assertions, so a failing run is recorded too; the verdict (`verdict`)
+    follows from the test's outcome."""
+    results = _load()
     results[drill] = {"result": result, "rows": [[str(n), str(v)] for n, v in rows]}
+    _save(results)
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    if test:
+        RECORDED[test] = drill
+
+
+def verdict(drill: str, passed: bool, detail: str = "") -> None:
+    results = _load()
+    if drill in results:
+        results[drill]["passed"] = passed
+        results[drill]["failure"] = "" if passed else detail[:400]
+        _save(results)
+
+
+def _load() -> dict[str, Any]:
+    path = RESULTS / "drills.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save(results: dict[str, Any]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    (RESULTS / "drills.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     parts = ["# Fault drills", "", "`make drills` (EMBER_DRILL_SCALE=full). One table a drill.", ""]
     for name, entry in sorted(results.items()):
+        outcome = {True: "**passed**", False: "**FAILED**", None: "no verdict"}[entry.get("passed")]
+        failure = f": `{entry['failure']}`" if entry.get("failure") else ""
         rows_ = [(n, v) for n, v in entry["rows"]]
-        parts += [f"## {name}", "", table(rows_), ""]
+        parts += [f"## {name}", "", f"Verdict: {outcome}{failure}", "", table(rows_), ""]
     (RESULTS / "drills.md").write_text("\n".join(parts))

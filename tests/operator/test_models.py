@@ -45,6 +45,15 @@ def test_camel_case_wire_names() -> None:
         ({"replicas": -1}, "greater than or equal to 0"),
         ({"engine": {"kind": "vllm"}}, "llamacpp"),
         ({"prewarm": {"sharedMemoryLimit": "lots"}}, "not a Kubernetes quantity"),
+        # The OpenAPI pattern accepts these (the full fuzz drill got them past the API server);
+        # Kubernetes' parser does not, and the operator computes with them: InvalidSpec, no
+        # traceback.
+        ({"resources": {"limits": {"memory": ".867470076e-.6"}}}, "not a Kubernetes quantity"),
+        ({"prewarm": {"sharedMemoryLimit": "+0758.5954E76936.9"}}, "not a Kubernetes quantity"),
+        ({"prewarm": {"sharedMemoryLimit": "1e76936"}}, "out of range"),
+        ({"prewarm": {"sharedMemoryLimit": "1e999999999"}}, "out of range"),  # not hours
+        ({"resources": {"requests": {"cpu": "1e-999999999"}}}, "out of range"),
+        ({"prewarm": {"sharedMemoryLimit": "9Ei"}}, "too large"),
         ({"server": {"port": 70000}}, "less than or equal to 65535"),
         ({"engine": {"gpuLayers": -1}}, "greater than or equal to 0"),
         ({"surprise": True}, "Extra inputs are not permitted"),

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
+from ember_operator import quantity
+
 # The API server's own Quantity grammar (k8s.io/apimachinery resource.Quantity).
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
@@ -31,8 +33,20 @@ QUANTITY_SCHEMA: dict[str, Any] = {
 
 def _check_quantity(value: int | str) -> str:
     text = str(value)
-    if not _QUANTITY_RE.match(text):
-        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 512Mi, 2Gi, 500m)")
+    # The OpenAPI pattern, which is all the API server checks, lets through what Kubernetes'
+    # own parser refuses (a fractional exponent, "1e-.6") and sizes nothing can hold
+    # ("1e76936"). The operator computes with these values, so it holds them to the parser's
+    # grammar and to int64: such a spec becomes InvalidSpec with this message, not a traceback.
+    try:
+        if not _QUANTITY_RE.match(text):
+            raise ValueError
+        value_ = quantity.parse(text)
+    except ValueError as exc:
+        if "out of range" in str(exc):
+            raise
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 512Mi, 2Gi, 500m)") from None
+    if abs(value_) >= 2**63:
+        raise ValueError(f"{text!r} is too large for a Kubernetes quantity")
     return text
 
 
