@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ember_runtime import reasons
+from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.prewarm.manifest import fsync_dir
 
 log = logging.getLogger("ember_runtime.nodeagent.cache")
@@ -37,10 +38,14 @@ log = logging.getLogger("ember_runtime.nodeagent.cache")
 DEFAULT_ROOT = Path("/var/lib/ember/cache")
 CHUNK_BYTES = 1 << 20
 PARTIAL_SUFFIX = ".partial"
+HEX = frozenset("0123456789abcdef")
 # Network errors after which the same request is resumed from the bytes already on disk.
 RESUMABLE = (httpx.TransportError, httpx.RemoteProtocolError)
 
 Progress = Callable[[int], None]  # called with the bytes now on disk for the file
+# Headers computed for each request (method, URL path): a peer's HMAC carries the time, so a
+# resumed request signs afresh rather than reusing the first request's headers.
+Signer = Callable[[str, str], dict[str, str]]
 
 
 class FetchError(Exception):
@@ -63,6 +68,13 @@ class Want:
     sha256: str
     size_bytes: int
     headers: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    signer: Signer | None = field(default=None, hash=False, compare=False)
+
+    def request_headers(self) -> dict[str, str]:
+        headers = dict(self.headers)
+        if self.signer is not None:
+            headers.update(self.signer("GET", urlsplit(self.url).path))
+        return headers
 
     def where(self) -> str:
         """The URL without its query (which may hold a signature) for logs and messages."""
@@ -88,6 +100,14 @@ class ContentCache:
         except OSError:
             return False
 
+    def held(self) -> list[str]:
+        """The digests of the complete files (partials and stray names excluded)."""
+        try:
+            names = [p.name for p in self.blobs.iterdir()]
+        except OSError:
+            return []
+        return sorted(n for n in names if len(n) == 64 and all(c in HEX for c in n))
+
     def failure(self, sha256: str) -> str | None:
         """The recorded failure line for `sha256`, if its last download failed for good."""
         try:
@@ -112,15 +132,18 @@ class ContentCache:
         client: httpx.Client,
         want: Want,
         stop: threading.Event | None = None,
+        *,
         progress: Progress | None = None,
         attempts: int = 5,
+        limiter: TokenBucket | None = None,
     ) -> Path:
         """Make `path(want.sha256)` hold the verified file; returns it.
 
         Resumes a `.partial` left by an earlier attempt; retries a broken stream up to
         `attempts` times, each from where the last stopped. Raises FetchError (a checksum or
         size mismatch also deletes the partial, so the cache holds nothing for that digest),
-        Busy, or InterruptedError when `stop` is set.
+        Busy, or InterruptedError when `stop` is set. `limiter` paces the transfer (origin
+        traffic; peers on the LAN go at line rate).
         """
         final = self.path(want.sha256)
         if self.has(want.sha256, want.size_bytes):
@@ -130,7 +153,11 @@ class ContentCache:
         with _locked_partial(self.partial(want.sha256)) as fd:
             try:
                 digest = _download_retrying(
-                    client, want, fd, stop=stop, progress=progress, attempts=attempts
+                    client,
+                    want,
+                    fd,
+                    _Pacing(stop, progress, limiter),
+                    attempts=attempts,
                 )
                 if digest != want.sha256:
                     raise FetchError(
@@ -152,18 +179,22 @@ class ContentCache:
         return final
 
 
+@dataclass(frozen=True)
+class _Pacing:
+    """What the download loop consults after each chunk."""
+
+    stop: threading.Event | None
+    progress: Progress | None
+    limiter: TokenBucket | None
+
+
 def _download_retrying(
-    client: httpx.Client,
-    want: Want,
-    fd: int,
-    *,
-    stop: threading.Event | None,
-    progress: Progress | None,
-    attempts: int,
+    client: httpx.Client, want: Want, fd: int, pacing: _Pacing, *, attempts: int
 ) -> str:
+    stop = pacing.stop
     for attempt in range(1, attempts + 1):
         try:
-            return _download(client, want, fd, stop, progress)
+            return _download(client, want, fd, pacing)
         except RESUMABLE as exc:
             if attempt == attempts:
                 raise FetchError(f"{want.where()}: {exc!r}") from exc
@@ -210,17 +241,12 @@ def _rehash(fd: int, size_bytes: int) -> tuple[hashlib._Hash, int]:
     return hasher, have - left
 
 
-def _download(
-    client: httpx.Client,
-    want: Want,
-    fd: int,
-    stop: threading.Event | None,
-    progress: Progress | None,
-) -> str:
+def _download(client: httpx.Client, want: Want, fd: int, pacing: _Pacing) -> str:
     """Append the missing bytes to the partial; returns the sha256 of the whole file."""
+    stop, progress, limiter = pacing.stop, pacing.progress, pacing.limiter
     hasher, have = _rehash(fd, want.size_bytes)
     if have < want.size_bytes:
-        headers = dict(want.headers)
+        headers = want.request_headers()
         if have:
             headers["Range"] = f"bytes={have}-"
         with client.stream("GET", want.url, headers=headers) as resp:
@@ -235,6 +261,8 @@ def _download(
                 have += len(chunk)
                 if progress is not None:
                     progress(have)
+                if limiter is not None:
+                    limiter.take(len(chunk), stop)
     if have != want.size_bytes:
         # The origin closed cleanly but early (no Content-Length to catch it): resume.
         raise httpx.RemoteProtocolError(f"stream ended at {have} of {want.size_bytes} bytes")
