@@ -3,6 +3,8 @@
 The agent lists and watches pods with `fieldSelector=spec.nodeName=<node>` (the only pods it
 asks for), reads each pod's `ember.dev/model-fetch` annotation (written by the operator), and
 keeps every listed digest in the node cache (`cache.ContentCache`), one download per digest.
+With site sharing on (`site.SiteSharing`), a file comes from a site peer, or from the origin
+under the site's Lease; origin transfers are paced by the agent's token bucket (`ratelimit`).
 
 A failure is recorded for prewarm to report (`cache.record_failure`). A checksum or size
 mismatch is not retried — the bytes at the URL are not the ones the spec names, and fetching
@@ -29,6 +31,8 @@ from ember_runtime import reasons
 from ember_runtime.config import MODEL_FETCH_ANNOTATION, FetchFile, ModelFetch
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
+from ember_runtime.nodeagent.ratelimit import TokenBucket
+from ember_runtime.nodeagent.site import SiteSharing
 from ember_runtime.thermal.kube import ApiError, Endpoint
 
 log = logging.getLogger("ember_runtime.nodeagent.fetcher")
@@ -52,6 +56,17 @@ class KubeReader:
 
     async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
         resp = await self._http.get(path, params=params, headers=self._auth())
+        if resp.status_code >= 300:
+            raise ApiError(resp.status_code, resp.text)
+        data: dict[str, Any] = resp.json()
+        return data
+
+    async def send(
+        self, method: str, path: str, body: dict[str, Any], content_type: str = "application/json"
+    ) -> dict[str, Any]:
+        """POST/PUT/PATCH one object; the API server's answer (the object as stored)."""
+        headers = {**self._auth(), "Content-Type": content_type}
+        resp = await self._http.request(method, path, content=json.dumps(body), headers=headers)
         if resp.status_code >= 300:
             raise ApiError(resp.status_code, resp.text)
         data: dict[str, Any] = resp.json()
@@ -95,10 +110,14 @@ class Fetcher:
         reader: KubeReader,
         node: str,
         namespace: str,
+        *,
         retry_seconds: float = 60.0,
+        site: SiteSharing | None = None,
+        limiter: TokenBucket | None = None,
     ) -> None:
         self.cache, self.reader, self.node, self.namespace = cache, reader, node, namespace
         self.retry_seconds = retry_seconds
+        self.site, self.limiter = site, limiter
         self.pods: dict[str, ModelFetch] = {}  # pod uid → its fetch list
         self._running: dict[str, asyncio.Task[None]] = {}
         self._retry_at: dict[str, float] = {}
@@ -134,10 +153,15 @@ class Fetcher:
         try:
             headers = await self._headers(w)
             want = Want(w.file.url, sha, w.file.size_bytes, headers=headers)
-            log.info("fetching %s (%d bytes) from %s", sha[:12], w.file.size_bytes, want.where())
+            log.info("fetching %s (%d bytes), origin %s", sha[:12], w.file.size_bytes, want.where())
             started = time.monotonic()
-            await asyncio.to_thread(self.cache.fetch, self._http, want, self._thread_stop)
-            log.info("cached %s in %.1fs", sha[:12], time.monotonic() - started)
+            where = "origin"
+            if self.site is None:
+                await self._from_origin(want)
+            else:
+                where = await self.site.obtain(want, lambda: self._from_origin(want))
+                self.site.published()
+            log.info("cached %s from the %s in %.1fs", sha[:12], where, time.monotonic() - started)
         except FetchError as err:
             log.warning("%s: %s: %s", sha[:12], err.reason, err)
             self.cache.record_failure(sha, err)
@@ -151,6 +175,11 @@ class Fetcher:
             pass  # stopping; the partial stays for the next run
         finally:
             self._running.pop(sha, None)
+
+    async def _from_origin(self, want: Want) -> None:
+        await asyncio.to_thread(
+            self.cache.fetch, self._http, want, self._thread_stop, limiter=self.limiter
+        )
 
     async def _headers(self, w: Wanted) -> dict[str, str]:
         if w.secret_ref is None:
