@@ -1,0 +1,103 @@
+"""Site sharing with the API server unreachable (a real closed port, not a mocked client): the
+agent fetches from the site peers it already knew, asking them directly, and goes to the origin
+only after `origin_wait_seconds`. Real peer server, real origin, real caches."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from ember_runtime.nodeagent import peerauth
+from ember_runtime.nodeagent.cache import ContentCache, Want
+from ember_runtime.nodeagent.fetcher import KubeReader
+from ember_runtime.nodeagent.peerserver import PeerServer
+from ember_runtime.nodeagent.site import Peer, SiteConfig, SiteSharing
+from ember_runtime.thermal.kube import Endpoint
+
+from tests.nodeagent.origin import serve
+
+SIZE = 1 << 20
+DATA = os.urandom(SIZE)
+SHA = hashlib.sha256(DATA).hexdigest()
+KEY = b"partition-test-key-0123456789"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def key(tmp_path: Path) -> peerauth.PeerKey:
+    (tmp_path / "key").write_bytes(KEY)
+    return peerauth.PeerKey(tmp_path / "key")
+
+
+@pytest.fixture
+def holder(tmp_path: Path, key: peerauth.PeerKey) -> Iterator[PeerServer]:
+    cache = ContentCache(tmp_path / "holder")
+    cache.blobs.mkdir(parents=True)
+    cache.path(SHA).write_bytes(DATA)
+    server = PeerServer(cache, key, "127.0.0.1", 0)
+    server.start()
+    yield server
+    server.close()
+
+
+def _obtain(
+    tmp_path: Path, key: peerauth.PeerKey, peers: dict[str, Peer], url: str, wait: float
+) -> tuple[str, float, ContentCache]:
+    """One obtain() by an agent whose API server does not answer."""
+    cache = ContentCache(tmp_path / "receiver")
+    token = tmp_path / "token"
+    token.write_text("t")
+    endpoint = Endpoint(f"https://127.0.0.1:{_closed_port()}", token, None)
+
+    async def go() -> tuple[str, float]:
+        reader = KubeReader(endpoint, timeout=1.0)
+        cfg = SiteConfig("n1", "ember", 0, lease_seconds=3, origin_wait_seconds=wait)
+        with httpx.Client(timeout=10) as http:
+            site = SiteSharing(cache, reader, cfg, key=key, http=http, stop=threading.Event())
+            site.view.peers = dict(peers)  # what it knew before the API went away
+            want = Want(url, SHA, SIZE)
+
+            async def origin() -> None:
+                await asyncio.to_thread(cache.fetch, http, want)
+
+            started = time.monotonic()
+            where = await site.obtain(want, origin)
+            elapsed = time.monotonic() - started
+        await reader.aclose()
+        return where, elapsed
+
+    where, elapsed = asyncio.run(go())
+    return where, elapsed, cache
+
+
+def test_known_peer_serves_while_the_api_is_away(
+    tmp_path: Path, key: peerauth.PeerKey, holder: PeerServer
+) -> None:
+    """The peer had not even advertised the file: it is asked directly."""
+    peers = {"n2": Peer(f"127.0.0.1:{holder.port}")}
+    with serve({"m": DATA}) as (base, origin):
+        where, _, cache = _obtain(tmp_path, key, peers, f"{base}/m", wait=60)
+    assert where == "peer" and cache.path(SHA).read_bytes() == DATA
+    assert origin.bytes_sent == 0 and holder.bytes_served == SIZE
+
+
+def test_origin_only_after_the_bounded_wait(tmp_path: Path, key: peerauth.PeerKey) -> None:
+    dead_peer = {"n2": Peer(f"127.0.0.1:{_closed_port()}")}
+    with serve({"m": DATA}) as (base, origin):
+        where, elapsed, cache = _obtain(tmp_path, key, dead_peer, f"{base}/m", wait=2.0)
+    assert where == "origin" and cache.path(SHA).read_bytes() == DATA
+    assert elapsed >= 2.0, elapsed
+    assert origin.bytes_sent == SIZE
