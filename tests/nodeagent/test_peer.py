@@ -175,3 +175,27 @@ def test_limited_origin_download_takes_as_long_as_the_rate_says(tmp_path: Path) 
     elapsed = time.monotonic() - started
     assert elapsed >= (SIZE - (1 << 20)) / rate * 0.9, elapsed
     assert cache.path(SHA).read_bytes() == DATA
+
+
+def test_a_slow_reader_gets_the_whole_file(tmp_path: Path) -> None:
+    """The send buffer fills while the peer pauses; the server waits instead of failing."""
+    big = os.urandom(24 << 20)
+    sha = hashlib.sha256(big).hexdigest()
+    cache = ContentCache(tmp_path / "holder")
+    cache.blobs.mkdir(parents=True)
+    cache.path(sha).write_bytes(big)
+    (tmp_path / "key").write_bytes(KEY)
+    server = PeerServer(cache, peerauth.PeerKey(tmp_path / "key"), "127.0.0.1", 0)
+    server.start()
+    try:
+        path = f"/sha256/{sha}"
+        url = f"http://127.0.0.1:{server.port}{path}"
+        got = bytearray()
+        with httpx.stream("GET", url, headers=peerauth.sign(KEY, "GET", path), timeout=30) as r:
+            for i, chunk in enumerate(r.iter_bytes(1 << 20)):
+                if i == 0:
+                    time.sleep(1.0)
+                got += chunk
+    finally:
+        server.close()
+    assert hashlib.sha256(got).hexdigest() == sha

@@ -16,6 +16,7 @@ import os
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import BinaryIO
 
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import ContentCache
@@ -53,7 +54,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             with open(srv.cache.path(match[1]), "rb") as f:
-                self._send(f.fileno(), os.fstat(f.fileno()).st_size, headers.get("range", ""))
+                self._send(f, os.fstat(f.fileno()).st_size, headers.get("range", ""))
         except FileNotFoundError:
             self._refuse(404, "not held")
         except (BrokenPipeError, ConnectionResetError, TimeoutError) as err:
@@ -64,7 +65,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_PUT = do_DELETE = do_PATCH = do_POST
 
-    def _send(self, fd: int, size: int, range_header: str) -> None:
+    def _send(self, f: BinaryIO, size: int, range_header: str) -> None:
         start, end = 0, size - 1
         ranged = _RANGE.match(range_header)
         if ranged:
@@ -84,18 +85,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
         self.wfile.flush()
-        sent = _sendfile(self.connection.fileno(), fd, start, end - start + 1)
+        # socket.sendfile, not os.sendfile: the handler's timeout puts the socket in
+        # non-blocking mode, where os.sendfile fails with EAGAIN once the send buffer is full;
+        # the socket method waits for it (and still uses sendfile(2)).
+        sent = self.connection.sendfile(f, start, end - start + 1)
         self.server.count(sent)
-
-
-def _sendfile(out_fd: int, in_fd: int, offset: int, count: int) -> int:
-    sent = 0
-    while sent < count:
-        n = os.sendfile(out_fd, in_fd, offset + sent, count - sent)
-        if n == 0:  # the file shrank under us: cannot happen to a final name; stop
-            break
-        sent += n
-    return sent
 
 
 class PeerServer(ThreadingHTTPServer):
