@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -371,7 +372,13 @@ def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
     """On by default: the agent on the host network with its peer port, the key Secret the
     chart made mounted read-only, the site settings and maxBandwidth as its environment; off,
     none of it (no hostNetwork, no Lease Role, no node writes)."""
-    docs = render(helm, "--set", "nodeAgent.maxBandwidth=2500000")
+    docs = render(
+        helm,
+        "--set",
+        "nodeAgent.maxBandwidth=2500000",
+        "--set-json",
+        'nodeAgent.downloadWindows=["22:00-06:00"]',
+    )
     (agent,) = [d for d in by_kind(docs, "DaemonSet") if "nodeagent" in d["metadata"]["name"]]
     pod = agent["spec"]["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
@@ -382,6 +389,7 @@ def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
     assert env["EMBER_NODEAGENT_PEER_PORT"] == "7431"
     assert env["EMBER_NODEAGENT_ORIGIN_WAIT_SECONDS"] == "600"
     assert env["EMBER_NODEAGENT_ORIGIN_MAX_BYTES_PER_SECOND"] == "2500000"
+    assert json.loads(env["EMBER_NODEAGENT_ORIGIN_WINDOWS"]) == ["22:00-06:00"]
     (secret,) = by_kind(docs, "Secret")
     assert secret["metadata"]["name"] == "ember-nodeagent-peer"
     assert len(base64.b64decode(secret["data"]["key"])) >= 32

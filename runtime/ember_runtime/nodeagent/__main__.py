@@ -16,16 +16,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from ember_runtime.config import SensorSettings, ThermalPolicy, ThermalReading
+from ember_runtime.nodeagent import windows
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
 from ember_runtime.nodeagent.peerauth import PeerKey
 from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.nodeagent.site import SiteConfig, SiteSharing
+from ember_runtime.nodeagent.windows import Windows
 from ember_runtime.sensors import build_source
 from ember_runtime.sensors.base import TemperatureSource
 from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, node_status_path
@@ -77,12 +79,23 @@ class AgentSettings(BaseSettings):
         description="With the API server unreachable, wait this long for a peer before "
         "fetching from the origin without the site's Lease.",
     )
+    origin_windows: list[str] = Field(
+        default_factory=list,
+        description="Download windows for origin traffic, HH:MM-HH:MM in UTC (may wrap "
+        "midnight); empty: any time. Site peers share at any time.",
+    )
     origin_max_bytes_per_second: float | None = Field(
         default=None,
         gt=0,
         description="maxBandwidth for origin traffic (one origin download per site at a "
         "time, so this is the site's WAN share too). None: unlimited.",
     )
+
+    @field_validator("origin_windows")
+    @classmethod
+    def _windows(cls, value: list[str]) -> list[str]:
+        windows.parse(value)  # a typo fails at start, not at the first download
+        return value
 
     def policy(self) -> ThermalPolicy:
         return ThermalPolicy(
@@ -157,6 +170,7 @@ async def run(settings: AgentSettings) -> None:
             retry_seconds=settings.retry_seconds,
             site=site,
             limiter=limiter,
+            windows=Windows(settings.origin_windows) if settings.origin_windows else None,
         )
         tasks.append(asyncio.create_task(fetcher.run()))
         log.info("keeping models for %s's pods in %s", settings.node_name, settings.cache_root)

@@ -87,6 +87,7 @@ class ContentCache:
         self.root = root
         self.blobs = root / "sha256"
         self.failures = root / "failed"
+        self.waiting = root / "waiting"  # why a download waits (a window), for prewarm
 
     def path(self, sha256: str) -> Path:
         return self.blobs / sha256
@@ -126,6 +127,17 @@ class ContentCache:
 
     def clear_failure(self, sha256: str) -> None:
         (self.failures / sha256).unlink(missing_ok=True)
+
+    def note_waiting(self, sha256: str, why: str) -> None:
+        self.waiting.mkdir(parents=True, exist_ok=True)
+        _chmod(self.waiting, 0o755)
+        tmp = self.waiting / f".{sha256}.tmp"
+        tmp.write_text(why + "\n")
+        _chmod(tmp, 0o644)
+        os.replace(tmp, self.waiting / sha256)
+
+    def clear_waiting(self, sha256: str) -> None:
+        (self.waiting / sha256).unlink(missing_ok=True)
 
     def fetch(
         self,
