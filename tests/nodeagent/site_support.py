@@ -47,13 +47,17 @@ def site_node(name: str, site: str, ip: str) -> dict[str, Any]:
     }
 
 
-def fetch_pod(name: str, node: str, files: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def fetch_annotation(files: Sequence[dict[str, Any]]) -> dict[str, str]:
+    return {MODEL_FETCH_ANNOTATION: json.dumps({"files": list(files)})}
+
+
+def fetch_pod(name: str, node: str, files: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": name,
-            "annotations": {MODEL_FETCH_ANNOTATION: json.dumps({"files": list(files)})},
+            "annotations": fetch_annotation(files) if files is not None else {},
         },
         "spec": {
             "serviceAccountName": AGENT_SA,
@@ -103,13 +107,19 @@ class SiteWorld:
             self.nodes.append(name)
         return list(self.nodes)
 
-    def want(self, files: Sequence[dict[str, Any]]) -> None:
-        """One pod per node wanting `files` (what the agents fetch)."""
+    def want(self, files: Sequence[dict[str, Any]] | None) -> None:
+        """One pod per node wanting `files` (what the agents fetch; None: nothing yet)."""
         for node in self.nodes:
             name = f"{node}-{uuid.uuid4().hex[:4]}"
             pod: Any = fetch_pod(name, node, files)
             self.kube.core.create_namespaced_pod(self.namespace, pod)
             self.pods.append(name)
+
+    def announce(self, files: Sequence[dict[str, Any]]) -> None:
+        """Every node's pod now wants `files` (the agents see the change on their watch)."""
+        body = {"metadata": {"annotations": fetch_annotation(files)}}
+        for pod in self.pods:
+            self.kube.core.patch_namespaced_pod(pod, self.namespace, body)
 
     def _token(self, node: str) -> Path:
         pod_name = next(p for p in self.pods if p.startswith(f"{node}-"))
@@ -131,10 +141,12 @@ class SiteWorld:
     def start(
         self,
         server: str,
+        *,
         extra: Sequence[str] = (),
         prefix: Callable[[int], list[str]] = lambda i: [],
         peer_bind: str = "127.0.0.1",
         peer_port: int = 0,
+        sharing: bool = True,
     ) -> list[Agent]:
         """The real agent per node; `prefix(i)` wraps its argv (e.g. `ip netns exec nsI`)."""
         (self.tmp / "sys").mkdir(exist_ok=True)
@@ -155,9 +167,15 @@ class SiteWorld:
                 f"--namespace={self.namespace}",
                 f"--sysfs_root={self.tmp / 'sys'}",
                 "--interval_seconds=60",
-                f"--peer_key_file={self.tmp / 'peer.key'}",
-                f"--peer_bind={peer_bind}",
-                f"--peer_port={peer_port}",
+                *(
+                    [
+                        f"--peer_key_file={self.tmp / 'peer.key'}",
+                        f"--peer_bind={peer_bind}",
+                        f"--peer_port={peer_port}",
+                    ]
+                    if sharing
+                    else []
+                ),
                 *extra,
             ]
             log = self.tmp / f"agent-{node}.log"
@@ -195,13 +213,9 @@ class SiteWorld:
                     codes.append(-9)
         return codes
 
-    def leases(self) -> list[dict[str, Any]]:
-        out = self.kube.kubectl("get", "leases", "-n", self.namespace, "-o", "json")
-        return [
-            item
-            for item in json.loads(out)["items"]
-            if item["metadata"]["name"].startswith("ember-fetch-")
-        ]
+    def leases(self) -> list[Any]:
+        listed: Any = client.CoordinationV1Api(self.kube.api).list_namespaced_lease(self.namespace)
+        return [i for i in listed.items if i.metadata.name.startswith("ember-fetch-")]
 
     def close(self) -> None:
         self.stop_agents()

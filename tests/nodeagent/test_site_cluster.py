@@ -59,8 +59,8 @@ def test_three_agents_one_origin_download(world: SiteWorld, kube: Kube) -> None:
     for agent in world.agents:
         assert agent.cache.path(SHA).read_bytes() == DATA
     (lease,) = world.leases()
-    assert lease["metadata"]["name"] == lease_name(world.site, SHA)
-    holder = lease["spec"]["holderIdentity"]
+    assert lease.metadata.name == lease_name(world.site, SHA)
+    holder = lease.spec.holder_identity
     assert holder in world.nodes
     # Every agent says what it holds and where, on its own Node.
     world.wait(
@@ -74,6 +74,37 @@ def test_three_agents_one_origin_download(world: SiteWorld, kube: Kube) -> None:
     origin_logs = [a.node for a in world.agents if "from the origin" in a.log.read_text()]
     assert origin_logs == [holder], world.logs()
     assert world.stop_agents() == [0, 0, 0]  # SIGTERM stops each cleanly
+
+
+def test_a_holder_that_stops_renewing_is_taken_over(world: SiteWorld, kube: Kube) -> None:
+    """The holder is killed (SIGKILL: no word to anyone) mid-download; after leaseSeconds
+    another agent takes the Lease over and the site still gets the file. The origin pace is
+    the agents' maxBandwidth (500 kB/s), which also keeps the first download long enough."""
+    rate = 500_000
+    with serve({"m.gguf": DATA}) as (base, origin):
+        world.want([{"url": f"{base}/m.gguf", "sha256": SHA, "sizeBytes": SIZE}])
+        world.start(
+            str(kube.api.configuration.host),
+            extra=["--lease_seconds=4", f"--origin_max_bytes_per_second={rate}"],
+        )
+        world.wait(lambda: bool(world.leases()), 60, "the fetch Lease")
+        first = world.leases()[0].spec.holder_identity
+        (victim,) = [a for a in world.agents if a.node == first]
+        world.wait(lambda: origin.bytes_sent > 0, 30, "the first origin bytes")
+        assert victim.proc is not None
+        victim.proc.kill()
+        victim.proc.wait()
+        victim.proc = None
+        sent_before = origin.bytes_sent
+        rest = [a for a in world.agents if a is not victim]
+        took = world.wait(lambda: all(a.cache.has(SHA, SIZE) for a in rest), 120, "the takeover")
+        assert not victim.cache.has(SHA, SIZE)
+        (lease,) = world.leases()
+        assert lease.spec.holder_identity != first and lease.spec.lease_transitions >= 1
+        # The new holder starts its own copy: the killed one's bytes are the only extra.
+        assert origin.bytes_sent <= SIZE + sent_before + (1 << 20), world.logs()
+        # Paced at `rate` after the burst: the whole file cannot have taken less.
+        assert took >= (SIZE - (2 << 20)) / rate, took
 
 
 def _annotations(kube: Kube, node: str) -> dict[str, str]:
