@@ -19,7 +19,14 @@ from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import ContentCache, Want
 from ember_runtime.nodeagent.fetcher import KubeReader
 from ember_runtime.nodeagent.peerserver import PeerServer
-from ember_runtime.nodeagent.site import Peer, SiteConfig, SiteSharing
+from ember_runtime.nodeagent.site import (
+    Peer,
+    SiteConfig,
+    SiteSharing,
+    internal_ip,
+    lease_name,
+    peer_of,
+)
 from ember_runtime.thermal.kube import Endpoint
 
 from tests.nodeagent.origin import serve
@@ -101,3 +108,27 @@ def test_origin_only_after_the_bounded_wait(tmp_path: Path, key: peerauth.PeerKe
     assert where == "origin" and cache.path(SHA).read_bytes() == DATA
     assert elapsed >= 2.0, elapsed
     assert origin.bytes_sent == SIZE
+
+
+def test_lease_names_are_dns_names_whatever_the_site_label() -> None:
+    sha = "ab" * 32
+    assert lease_name("edge-lab", sha) == f"ember-fetch-edge-lab-{'ab' * 8}"
+    assert lease_name("Plant_7.North", sha) == f"ember-fetch-plant-7-north-{'ab' * 8}"
+    assert lease_name("...", sha) == f"ember-fetch-site-{'ab' * 8}"
+
+
+def test_a_nodes_peer_annotations_are_read_back() -> None:
+    node = {
+        "metadata": {
+            "annotations": {"ember.dev/peer": "10.0.0.5:7431", "ember.dev/cache": "a1,b2,"}
+        },
+        "status": {
+            "addresses": [
+                {"type": "Hostname", "address": "n"},
+                {"type": "InternalIP", "address": "10.0.0.5"},
+            ]
+        },
+    }
+    assert peer_of(node) == Peer("10.0.0.5:7431", frozenset({"a1", "b2"}))
+    assert internal_ip(node) == "10.0.0.5"
+    assert peer_of({"metadata": {}}) is None and internal_ip({}) is None
