@@ -21,6 +21,7 @@ from ember_runtime.nodeagent.fetcher import KubeReader
 from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.site import (
     Peer,
+    SiteChanged,
     SiteConfig,
     SiteSharing,
     internal_ip,
@@ -132,3 +133,30 @@ def test_a_nodes_peer_annotations_are_read_back() -> None:
     assert peer_of(node) == Peer("10.0.0.5:7431", frozenset({"a1", "b2"}))
     assert internal_ip(node) == "10.0.0.5"
     assert peer_of({"metadata": {}}) is None and internal_ip({}) is None
+
+
+def test_own_node_leaving_its_site_makes_the_agent_read_it_again(
+    tmp_path: Path, key: peerauth.PeerKey
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("t")
+    reader = KubeReader(Endpoint("https://127.0.0.1:9", token, None))
+    cfg = SiteConfig("n1", "ember", 0)
+    with httpx.Client() as http:
+        site = SiteSharing(
+            ContentCache(tmp_path), reader, cfg, key=key, http=http, stop=threading.Event()
+        )
+        site.view.site, site.view.resolved = "a", True
+
+        def node(name: str, site_label: str) -> dict[str, object]:
+            annotations = {"ember.dev/peer": "10.0.0.2:7431", "ember.dev/cache": "ab"}
+            labels = {"ember.dev/site": site_label}
+            return {"metadata": {"name": name, "labels": labels, "annotations": annotations}}
+
+        site._apply_node("ADDED", node("n2", "a"))
+        site._apply_node("MODIFIED", node("n1", "a"))  # ourselves, unchanged: nothing
+        assert site.view.resolved and list(site.view.peers) == ["n2"]
+        with pytest.raises(SiteChanged):
+            site._apply_node("MODIFIED", node("n1", "b"))
+        assert not site.view.resolved
+    asyncio.run(reader.aclose())

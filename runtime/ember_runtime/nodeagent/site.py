@@ -104,6 +104,10 @@ class SiteConfig:
     site_label: str = SITE_LABEL
 
 
+class SiteChanged(Exception):
+    """Our own Node's site label changed under the watch."""
+
+
 @dataclass
 class Peer:
     address: str
@@ -302,7 +306,14 @@ class SiteSharing:
 
     def _apply_node(self, kind: str, node: dict[str, Any]) -> None:
         name = (node.get("metadata") or {}).get("name")
-        if not name or name == self.cfg.node:
+        if not name:
+            return
+        if name == self.cfg.node:
+            labels = (node.get("metadata") or {}).get("labels") or {}
+            if kind == "DELETED" or labels.get(self.cfg.site_label) != self.view.site:
+                # Our node left the site (relabelled): read our node again, watch the new one.
+                self.view.resolved = False
+                raise SiteChanged(self.cfg.node)
             return
         peer = peer_of(node)
         if kind == "DELETED" or peer is None:
@@ -320,6 +331,8 @@ class SiteSharing:
                 if self.view.site is None:
                     return  # no site: nothing to share, every file comes from the origin
                 await self._list_and_watch(f"{self.cfg.site_label}={self.view.site}")
+            except SiteChanged:
+                log.info("%s changed site; reading it again", self.cfg.node)
             except API_ERRORS as err:
                 log.warning("watching site nodes: %s; again in 5s", err)
                 await asyncio.sleep(5)
