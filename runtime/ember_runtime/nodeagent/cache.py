@@ -117,24 +117,13 @@ class ContentCache:
             return None
 
     def record_failure(self, sha256: str, err: FetchError) -> None:
-        self.failures.mkdir(parents=True, exist_ok=True)
-        _chmod(self.failures, 0o755)
-        line = reasons.termination_message(err.reason, str(err))
-        tmp = self.failures / f".{sha256}.tmp"
-        tmp.write_text(line + "\n")
-        _chmod(tmp, 0o644)
-        os.replace(tmp, self.failures / sha256)
+        _write_line(self.failures, sha256, reasons.termination_message(err.reason, str(err)))
 
     def clear_failure(self, sha256: str) -> None:
         (self.failures / sha256).unlink(missing_ok=True)
 
     def note_waiting(self, sha256: str, why: str) -> None:
-        self.waiting.mkdir(parents=True, exist_ok=True)
-        _chmod(self.waiting, 0o755)
-        tmp = self.waiting / f".{sha256}.tmp"
-        tmp.write_text(why + "\n")
-        _chmod(tmp, 0o644)
-        os.replace(tmp, self.waiting / sha256)
+        _write_line(self.waiting, sha256, why)
 
     def clear_waiting(self, sha256: str) -> None:
         (self.waiting / sha256).unlink(missing_ok=True)
@@ -214,6 +203,16 @@ def _download_retrying(
             if stop is not None and stop.wait(min(0.5 * attempt, 5.0)):
                 raise InterruptedError(want.where()) from exc
     raise AssertionError("attempts must be at least 1")
+
+
+def _write_line(folder: Path, name: str, line: str) -> None:
+    """`folder/name` holds `line`, replaced atomically, readable by prewarm."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _chmod(folder, 0o755)
+    tmp = folder / f".{name}.tmp"
+    tmp.write_text(line + "\n")
+    _chmod(tmp, 0o644)
+    os.replace(tmp, folder / name)
 
 
 def _chmod(path: Path, mode: int) -> None:
