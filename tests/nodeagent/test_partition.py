@@ -102,6 +102,28 @@ def test_known_peer_serves_while_the_api_is_away(
     assert origin.bytes_sent == 0 and holder.bytes_served == SIZE
 
 
+def test_a_known_peer_that_gets_the_file_later_is_asked_again(
+    tmp_path: Path, key: peerauth.PeerKey
+) -> None:
+    """Partitioned, the holder still downloading: its 404s do not shun it, so the file comes
+    from it a poll after it lands, not after a 30 s penalty, and never from the origin."""
+    cache = ContentCache(tmp_path / "late-holder")
+    cache.blobs.mkdir(parents=True)
+    server = PeerServer(cache, key, "127.0.0.1", 0)
+    server.start()
+    timer = threading.Timer(1.5, lambda: cache.path(SHA).write_bytes(DATA))
+    timer.start()
+    try:
+        peers = {"n2": Peer(f"127.0.0.1:{server.port}")}
+        with serve({"m": DATA}) as (base, origin):
+            where, elapsed, _ = _obtain(tmp_path, key, peers, f"{base}/m", wait=60)
+    finally:
+        timer.join()
+        server.close()
+    assert where == "peer" and origin.bytes_sent == 0
+    assert elapsed < 10, elapsed
+
+
 def test_origin_only_after_the_bounded_wait(tmp_path: Path, key: peerauth.PeerKey) -> None:
     dead_peer = {"n2": Peer(f"127.0.0.1:{_closed_port()}")}
     with serve({"m": DATA}) as (base, origin):

@@ -51,9 +51,12 @@ Signer = Callable[[str, str], dict[str, str]]
 class FetchError(Exception):
     """A download that failed with a reason from the shared vocabulary."""
 
-    def __init__(self, detail: str, reason: str = reasons.MODEL_DOWNLOAD_FAILED) -> None:
+    def __init__(
+        self, detail: str, reason: str = reasons.MODEL_DOWNLOAD_FAILED, status: int | None = None
+    ) -> None:
         super().__init__(detail)
         self.reason = reason
+        self.status = status  # the HTTP status, when the server answered with an error
 
 
 class Busy(Exception):
@@ -293,7 +296,10 @@ def _start(
         os.ftruncate(fd, 0)
         have, hasher = 0, hashlib.sha256()
     else:
-        raise FetchError(f"{want.where()}: HTTP {resp.status_code} {resp.reason_phrase}")
+        raise FetchError(
+            f"{want.where()}: HTTP {resp.status_code} {resp.reason_phrase}",
+            status=resp.status_code,
+        )
     os.lseek(fd, have, os.SEEK_SET)
     return have, hasher
 

@@ -422,7 +422,12 @@ class SiteSharing:
                 )
             except (FetchError, httpx.HTTPError) as err:
                 # A peer that answered wrongly is the peer's fault, never the spec's: no
-                # failure is recorded, the next peer (or the origin) is tried.
+                # failure is recorded, the next peer (or the origin) is tried. A 404 only
+                # says it does not hold the file yet (asked directly while partitioned):
+                # ask again next round rather than shunning it.
+                if isinstance(err, FetchError) and err.status == 404:
+                    log.debug("peer %s does not hold %s yet", address, short(want.sha256))
+                    continue
                 level = logging.DEBUG if any_peer else logging.WARNING
                 log.log(level, "peer %s for %s: %s", address, short(want.sha256), err)
                 self._bad_until[address] = time.monotonic() + BAD_PEER_SECONDS
