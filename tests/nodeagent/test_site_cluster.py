@@ -23,6 +23,7 @@ from ember_runtime.nodeagent.site import CACHE_ANNOTATION, PEER_ANNOTATION, leas
 from tests.conftest import Kube
 from tests.nodeagent.origin import serve
 from tests.nodeagent.site_support import SiteWorld
+from tests.thermal.kube_support import TcpProxy, api_server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -105,6 +106,38 @@ def test_a_holder_that_stops_renewing_is_taken_over(world: SiteWorld, kube: Kube
         assert origin.bytes_sent <= SIZE + sent_before + (1 << 20), world.logs()
         # Paced at `rate` after the burst: the whole file cannot have taken less.
         assert took >= (SIZE - (2 << 20)) / rate, took
+
+
+def test_a_partitioned_site_still_shares(world: SiteWorld, kube: Kube) -> None:
+    """The API server goes away for every agent (a proxy cut) while the holder downloads: the
+    holder finishes what it started, the others ask the peers they knew directly and get the
+    file from it; nobody else goes to the origin (origin_wait_seconds is 600)."""
+    proxy = TcpProxy(api_server(kube))
+    proxy.restore()
+    try:
+        with serve({"m.gguf": DATA}) as (base, origin):
+            world.want([{"url": f"{base}/m.gguf", "sha256": SHA, "sizeBytes": SIZE}])
+            world.start(
+                f"https://127.0.0.1:{proxy.port}",
+                extra=["--lease_seconds=6", "--origin_max_bytes_per_second=500000"],
+            )
+            world.wait(lambda: origin.bytes_sent > 0, 60, "the holder's first origin bytes")
+            world.wait(
+                lambda: all(PEER_ANNOTATION in _annotations(kube, n) for n in world.nodes),
+                30,
+                "every peer address",
+            )
+            time.sleep(1)  # the agents' node watches have delivered them
+            assert not any(a.cache.has(SHA, SIZE) for a in world.agents)
+            proxy.cut()
+            world.wait(
+                lambda: all(a.cache.has(SHA, SIZE) for a in world.agents), 120, "the partition"
+            )
+            assert origin.bytes_sent == SIZE and len(origin.requests) == 1, world.logs()
+    finally:
+        proxy.cut()
+    peers = [a.node for a in world.agents if "from the peer" in a.log.read_text()]
+    assert len(peers) == 2, world.logs()
 
 
 def _annotations(kube: Kube, node: str) -> dict[str, str]:
