@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -96,16 +98,26 @@ def test_rbac_has_no_wildcards_and_no_secrets(helm: str) -> None:
             for key in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[key], rule
             assert "secrets" not in rule["resources"]
-    # The one namespaced Role: the node agent reads origin credentials by name (no list, no
-    # watch) in the release's own namespace, for spec.model.source.http.secretRef.
-    (role,) = by_kind(docs, "Role")
-    assert role["metadata"]["name"] == "ember-nodeagent-secrets"
-    assert role["metadata"]["namespace"] == NAMESPACE
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
-    (binding,) = by_kind(docs, "RoleBinding")
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "ember-nodeagent", "namespace": NAMESPACE}
+    # The namespaced Roles, both the node agent's in the release's own namespace: origin
+    # credentials read by name (no list, no watch) for spec.model.source.http.secretRef, and
+    # the site's fetch Leases (read by name, created, renewed; never listed or deleted).
+    roles_ns = {r["metadata"]["name"]: r for r in by_kind(docs, "Role")}
+    assert sorted(roles_ns) == ["ember-nodeagent-leases", "ember-nodeagent-secrets"]
+    assert all(r["metadata"]["namespace"] == NAMESPACE for r in roles_ns.values())
+    assert roles_ns["ember-nodeagent-secrets"]["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}
     ]
+    assert roles_ns["ember-nodeagent-leases"]["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update"],
+        }
+    ]
+    for binding in by_kind(docs, "RoleBinding"):
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "ember-nodeagent", "namespace": NAMESPACE}
+        ]
 
 
 def _rule(group: str, resources: list[str], verbs: list[str]) -> dict[str, Any]:
@@ -170,6 +182,8 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
         # The pods on its node (by field selector), for the http sources it fetches.
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+        # Site sharing: its own Node, its site's Nodes, its own annotations (policy below).
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
     ]
     # The operator binds exactly the runtime's role, and no other.
     binds = [r for r in roles["operator"]["rules"] if "bind" in r["verbs"]]
@@ -183,7 +197,12 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
     ]
     policies = {p["metadata"]["name"] for p in by_kind(docs, "ValidatingAdmissionPolicy")}
     bindings = by_kind(docs, "ValidatingAdmissionPolicyBinding")
-    assert policies == {"ember-runtime-own-pod", "ember-nodeagent-own-node"}
+    assert policies == {
+        "ember-runtime-own-pod",
+        "ember-nodeagent-own-node",
+        "ember-nodeagent-own-annotations",
+        "ember-nodeagent-own-leases",
+    }
     assert {b["spec"]["policyName"] for b in bindings} == policies
     assert all(b["spec"]["validationActions"] == ["Deny"] for b in bindings)
 
@@ -347,3 +366,49 @@ def test_node_agent_cache_is_its_own_and_the_operator_mounts_the_same_path(helm:
         for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert op_env["EMBER_OPERATOR_NODE_CACHE_ROOT"] == "/srv/ember-cache"
+
+
+def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
+    """On by default: the agent on the host network with its peer port, the key Secret the
+    chart made mounted read-only, the site settings and maxBandwidth as its environment; off,
+    none of it (no hostNetwork, no Lease Role, no node writes)."""
+    docs = render(
+        helm,
+        "--set",
+        "nodeAgent.maxBandwidth=2500000",
+        "--set-json",
+        'nodeAgent.downloadWindows=["22:00-06:00"]',
+    )
+    (agent,) = [d for d in by_kind(docs, "DaemonSet") if "nodeagent" in d["metadata"]["name"]]
+    pod = agent["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    (container,) = pod["containers"]
+    assert container["ports"] == [{"name": "peer", "containerPort": 7431, "protocol": "TCP"}]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["EMBER_NODEAGENT_PEER_KEY_FILE"] == "/var/run/ember/peer/key"
+    assert env["EMBER_NODEAGENT_PEER_PORT"] == "7431"
+    assert env["EMBER_NODEAGENT_ORIGIN_WAIT_SECONDS"] == "600"
+    assert env["EMBER_NODEAGENT_ORIGIN_MAX_BYTES_PER_SECOND"] == "2500000"
+    assert json.loads(env["EMBER_NODEAGENT_ORIGIN_WINDOWS"]) == ["22:00-06:00"]
+    (secret,) = by_kind(docs, "Secret")
+    assert secret["metadata"]["name"] == "ember-nodeagent-peer"
+    assert len(base64.b64decode(secret["data"]["key"])) >= 32
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["peer-key"]["secret"]["secretName"] == "ember-nodeagent-peer"
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["peer-key"]["readOnly"] is True
+
+    own = render(helm, "--set", "nodeAgent.siteSharing.existingSecret=fleet-key")
+    assert by_kind(own, "Secret") == []
+    (agent,) = [d for d in by_kind(own, "DaemonSet") if "nodeagent" in d["metadata"]["name"]]
+    volumes = {v["name"]: v for v in agent["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["peer-key"]["secret"]["secretName"] == "fleet-key"
+
+    off = render(helm, "--set", "nodeAgent.siteSharing.enabled=false")
+    (agent,) = [d for d in by_kind(off, "DaemonSet") if "nodeagent" in d["metadata"]["name"]]
+    assert "hostNetwork" not in agent["spec"]["template"]["spec"]
+    assert [r["metadata"]["name"] for r in by_kind(off, "Role")] == ["ember-nodeagent-secrets"]
+    rules = _roles(off)["nodeagent"]["rules"]
+    assert all("nodes" not in r["resources"] for r in rules)
+    policies = {p["metadata"]["name"] for p in by_kind(off, "ValidatingAdmissionPolicy")}
+    assert policies == {"ember-runtime-own-pod", "ember-nodeagent-own-node"}

@@ -92,10 +92,12 @@ class _Server(ThreadingHTTPServer):
 
 
 @contextmanager
-def serve(files: dict[str, bytes], host: str = "127.0.0.1") -> Iterator[tuple[str, OriginState]]:
+def serve(
+    files: dict[str, bytes], host: str = "127.0.0.1", port: int = 0
+) -> Iterator[tuple[str, OriginState]]:
     """(base URL, state) of an origin serving `files` until the block ends."""
     state = OriginState(files=files)
-    server = _Server((host, 0), state)
+    server = _Server((host, port), state)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -165,7 +165,9 @@ def test_agent_writes_its_own_node_only(kube: Kube, agent: tuple[str, str, Path]
             ),
             headers=SMP,
         )
-        nodes = http.get("/api/v1/nodes")
+        # Reading Nodes is granted (site sharing lists its site's peers); other namespaces'
+        # Secrets and writing other resources are not.
+        secrets = http.get("/api/v1/namespaces/kube-system/secrets")
     assert label.status_code == 403 and "only the ember.dev/Thermal" in label.text, label.text
     assert foreign.status_code == 403 and "only the ember.dev/Thermal" in foreign.text
-    assert nodes.status_code == 403  # RBAC: nodes/status patch, nothing else
+    assert secrets.status_code == 403

@@ -11,15 +11,23 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import Field, ValidationError
+import httpx
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from ember_runtime.config import SensorSettings, ThermalPolicy, ThermalReading
+from ember_runtime.nodeagent import windows
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
+from ember_runtime.nodeagent.peerauth import PeerKey
+from ember_runtime.nodeagent.peerserver import PeerServer
+from ember_runtime.nodeagent.ratelimit import TokenBucket
+from ember_runtime.nodeagent.site import SiteConfig, SiteSharing
+from ember_runtime.nodeagent.windows import Windows
 from ember_runtime.sensors import build_source
 from ember_runtime.sensors.base import TemperatureSource
 from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, node_status_path
@@ -50,6 +58,44 @@ class AgentSettings(BaseSettings):
         default=None, description="The agent's own namespace: where it reads origin Secrets."
     )
     retry_seconds: float = Field(default=60.0, gt=0, description="Retry a failed download.")
+    # Site sharing (site.py): on when a peer key is given.
+    peer_key_file: Path | None = Field(
+        default=None,
+        description="The fleet's shared HMAC key for peer requests (a mounted Secret); "
+        "None: no site sharing, every file from the origin.",
+    )
+    peer_port: int = Field(
+        default=7431, ge=0, le=65535, description="Serve site peers here (0: any free port)."
+    )
+    peer_bind: str = "0.0.0.0"  # noqa: S104 - peers reach us over the node network
+    peer_address: str | None = Field(
+        default=None, description="host:port to advertise (default: the Node's InternalIP)."
+    )
+    peer_max_skew_seconds: float = Field(default=300.0, gt=0)
+    lease_seconds: int = Field(default=30, ge=3, description="A site fetch Lease's duration.")
+    origin_wait_seconds: float = Field(
+        default=600.0,
+        ge=0,
+        description="With the API server unreachable, wait this long for a peer before "
+        "fetching from the origin without the site's Lease.",
+    )
+    origin_windows: list[str] = Field(
+        default_factory=list,
+        description="Download windows for origin traffic, HH:MM-HH:MM in UTC (may wrap "
+        "midnight); empty: any time. Site peers share at any time.",
+    )
+    origin_max_bytes_per_second: float | None = Field(
+        default=None,
+        gt=0,
+        description="maxBandwidth for origin traffic (one origin download per site at a "
+        "time, so this is the site's WAN share too). None: unlimited.",
+    )
+
+    @field_validator("origin_windows")
+    @classmethod
+    def _windows(cls, value: list[str]) -> list[str]:
+        windows.parse(value)  # a typo fails at start, not at the first download
+        return value
 
     def policy(self) -> ThermalPolicy:
         return ThermalPolicy(
@@ -105,15 +151,26 @@ async def run(settings: AgentSettings) -> None:
         asyncio.create_task(reporter.run()),
     ]
     log.info("reporting %s's temperature", settings.node_name)
-    reader = None
-    if settings.cache_root is not None:
-        reader = KubeReader(settings.endpoint())
+    reader = KubeReader(settings.endpoint()) if settings.cache_root is not None else None
+    server: PeerServer | None = None
+    if settings.cache_root is not None and reader is not None:
+        cache = ContentCache(settings.cache_root)
+        site = None
+        if settings.peer_key_file is not None:
+            server, site = start_site_sharing(settings, cache, reader)
+            tasks.append(asyncio.create_task(site.run()))
+        limiter = None
+        if settings.origin_max_bytes_per_second is not None:
+            limiter = TokenBucket(settings.origin_max_bytes_per_second)
         fetcher = Fetcher(
-            ContentCache(settings.cache_root),
+            cache,
             reader,
             settings.node_name,
             settings.namespace or "default",
             retry_seconds=settings.retry_seconds,
+            site=site,
+            limiter=limiter,
+            windows=Windows(settings.origin_windows) if settings.origin_windows else None,
         )
         tasks.append(asyncio.create_task(fetcher.run()))
         log.info("keeping models for %s's pods in %s", settings.node_name, settings.cache_root)
@@ -124,9 +181,36 @@ async def run(settings: AgentSettings) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if server is not None:
+            server.close()
         await patcher.aclose()
         if reader is not None:
             await reader.aclose()
+
+
+def start_site_sharing(
+    settings: AgentSettings, cache: ContentCache, reader: KubeReader
+) -> tuple[PeerServer, SiteSharing]:
+    """The peer port (serving from now on) and the site coordination that uses it."""
+    assert settings.peer_key_file is not None
+    key = PeerKey(settings.peer_key_file)
+    key.get()  # a missing or short key fails at start, not at the first peer request
+    server = PeerServer(
+        cache, key, settings.peer_bind, settings.peer_port, settings.peer_max_skew_seconds
+    )
+    server.start()
+    cfg = SiteConfig(
+        node=settings.node_name,
+        namespace=settings.namespace or "default",
+        peer_port=server.port,
+        peer_address=settings.peer_address,
+        lease_seconds=settings.lease_seconds,
+        origin_wait_seconds=settings.origin_wait_seconds,
+    )
+    # Peers are on the LAN: a short connect timeout moves on to the next one quickly.
+    http = httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0))
+    log.info("serving cached files to site peers on %s:%d", settings.peer_bind, server.port)
+    return server, SiteSharing(cache, reader, cfg, key=key, http=http, stop=threading.Event())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ember_runtime import reasons
+from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.prewarm.manifest import fsync_dir
 
 log = logging.getLogger("ember_runtime.nodeagent.cache")
@@ -37,18 +38,25 @@ log = logging.getLogger("ember_runtime.nodeagent.cache")
 DEFAULT_ROOT = Path("/var/lib/ember/cache")
 CHUNK_BYTES = 1 << 20
 PARTIAL_SUFFIX = ".partial"
+HEX = frozenset("0123456789abcdef")
 # Network errors after which the same request is resumed from the bytes already on disk.
 RESUMABLE = (httpx.TransportError, httpx.RemoteProtocolError)
 
 Progress = Callable[[int], None]  # called with the bytes now on disk for the file
+# Headers computed for each request (method, URL path): a peer's HMAC carries the time, so a
+# resumed request signs afresh rather than reusing the first request's headers.
+Signer = Callable[[str, str], dict[str, str]]
 
 
 class FetchError(Exception):
     """A download that failed with a reason from the shared vocabulary."""
 
-    def __init__(self, detail: str, reason: str = reasons.MODEL_DOWNLOAD_FAILED) -> None:
+    def __init__(
+        self, detail: str, reason: str = reasons.MODEL_DOWNLOAD_FAILED, status: int | None = None
+    ) -> None:
         super().__init__(detail)
         self.reason = reason
+        self.status = status  # the HTTP status, when the server answered with an error
 
 
 class Busy(Exception):
@@ -63,6 +71,13 @@ class Want:
     sha256: str
     size_bytes: int
     headers: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    signer: Signer | None = field(default=None, hash=False, compare=False)
+
+    def request_headers(self) -> dict[str, str]:
+        headers = dict(self.headers)
+        if self.signer is not None:
+            headers.update(self.signer("GET", urlsplit(self.url).path))
+        return headers
 
     def where(self) -> str:
         """The URL without its query (which may hold a signature) for logs and messages."""
@@ -75,6 +90,7 @@ class ContentCache:
         self.root = root
         self.blobs = root / "sha256"
         self.failures = root / "failed"
+        self.waiting = root / "waiting"  # why a download waits (a window), for prewarm
 
     def path(self, sha256: str) -> Path:
         return self.blobs / sha256
@@ -88,6 +104,14 @@ class ContentCache:
         except OSError:
             return False
 
+    def held(self) -> list[str]:
+        """The digests of the complete files (partials and stray names excluded)."""
+        try:
+            names = [p.name for p in self.blobs.iterdir()]
+        except OSError:
+            return []
+        return sorted(n for n in names if len(n) == 64 and all(c in HEX for c in n))
+
     def failure(self, sha256: str) -> str | None:
         """The recorded failure line for `sha256`, if its last download failed for good."""
         try:
@@ -96,31 +120,34 @@ class ContentCache:
             return None
 
     def record_failure(self, sha256: str, err: FetchError) -> None:
-        self.failures.mkdir(parents=True, exist_ok=True)
-        _chmod(self.failures, 0o755)
-        line = reasons.termination_message(err.reason, str(err))
-        tmp = self.failures / f".{sha256}.tmp"
-        tmp.write_text(line + "\n")
-        _chmod(tmp, 0o644)
-        os.replace(tmp, self.failures / sha256)
+        _write_line(self.failures, sha256, reasons.termination_message(err.reason, str(err)))
 
     def clear_failure(self, sha256: str) -> None:
         (self.failures / sha256).unlink(missing_ok=True)
+
+    def note_waiting(self, sha256: str, why: str) -> None:
+        _write_line(self.waiting, sha256, why)
+
+    def clear_waiting(self, sha256: str) -> None:
+        (self.waiting / sha256).unlink(missing_ok=True)
 
     def fetch(
         self,
         client: httpx.Client,
         want: Want,
         stop: threading.Event | None = None,
+        *,
         progress: Progress | None = None,
         attempts: int = 5,
+        limiter: TokenBucket | None = None,
     ) -> Path:
         """Make `path(want.sha256)` hold the verified file; returns it.
 
         Resumes a `.partial` left by an earlier attempt; retries a broken stream up to
         `attempts` times, each from where the last stopped. Raises FetchError (a checksum or
         size mismatch also deletes the partial, so the cache holds nothing for that digest),
-        Busy, or InterruptedError when `stop` is set.
+        Busy, or InterruptedError when `stop` is set. `limiter` paces the transfer (origin
+        traffic; peers on the LAN go at line rate).
         """
         final = self.path(want.sha256)
         if self.has(want.sha256, want.size_bytes):
@@ -130,7 +157,11 @@ class ContentCache:
         with _locked_partial(self.partial(want.sha256)) as fd:
             try:
                 digest = _download_retrying(
-                    client, want, fd, stop=stop, progress=progress, attempts=attempts
+                    client,
+                    want,
+                    fd,
+                    _Pacing(stop, progress, limiter),
+                    attempts=attempts,
                 )
                 if digest != want.sha256:
                     raise FetchError(
@@ -152,18 +183,22 @@ class ContentCache:
         return final
 
 
+@dataclass(frozen=True)
+class _Pacing:
+    """What the download loop consults after each chunk."""
+
+    stop: threading.Event | None
+    progress: Progress | None
+    limiter: TokenBucket | None
+
+
 def _download_retrying(
-    client: httpx.Client,
-    want: Want,
-    fd: int,
-    *,
-    stop: threading.Event | None,
-    progress: Progress | None,
-    attempts: int,
+    client: httpx.Client, want: Want, fd: int, pacing: _Pacing, *, attempts: int
 ) -> str:
+    stop = pacing.stop
     for attempt in range(1, attempts + 1):
         try:
-            return _download(client, want, fd, stop, progress)
+            return _download(client, want, fd, pacing)
         except RESUMABLE as exc:
             if attempt == attempts:
                 raise FetchError(f"{want.where()}: {exc!r}") from exc
@@ -171,6 +206,16 @@ def _download_retrying(
             if stop is not None and stop.wait(min(0.5 * attempt, 5.0)):
                 raise InterruptedError(want.where()) from exc
     raise AssertionError("attempts must be at least 1")
+
+
+def _write_line(folder: Path, name: str, line: str) -> None:
+    """`folder/name` holds `line`, replaced atomically, readable by prewarm."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _chmod(folder, 0o755)
+    tmp = folder / f".{name}.tmp"
+    tmp.write_text(line + "\n")
+    _chmod(tmp, 0o644)
+    os.replace(tmp, folder / name)
 
 
 def _chmod(path: Path, mode: int) -> None:
@@ -210,17 +255,12 @@ def _rehash(fd: int, size_bytes: int) -> tuple[hashlib._Hash, int]:
     return hasher, have - left
 
 
-def _download(
-    client: httpx.Client,
-    want: Want,
-    fd: int,
-    stop: threading.Event | None,
-    progress: Progress | None,
-) -> str:
+def _download(client: httpx.Client, want: Want, fd: int, pacing: _Pacing) -> str:
     """Append the missing bytes to the partial; returns the sha256 of the whole file."""
+    stop, progress, limiter = pacing.stop, pacing.progress, pacing.limiter
     hasher, have = _rehash(fd, want.size_bytes)
     if have < want.size_bytes:
-        headers = dict(want.headers)
+        headers = want.request_headers()
         if have:
             headers["Range"] = f"bytes={have}-"
         with client.stream("GET", want.url, headers=headers) as resp:
@@ -235,6 +275,8 @@ def _download(
                 have += len(chunk)
                 if progress is not None:
                     progress(have)
+                if limiter is not None:
+                    limiter.take(len(chunk), stop)
     if have != want.size_bytes:
         # The origin closed cleanly but early (no Content-Length to catch it): resume.
         raise httpx.RemoteProtocolError(f"stream ended at {have} of {want.size_bytes} bytes")
@@ -254,7 +296,10 @@ def _start(
         os.ftruncate(fd, 0)
         have, hasher = 0, hashlib.sha256()
     else:
-        raise FetchError(f"{want.where()}: HTTP {resp.status_code} {resp.reason_phrase}")
+        raise FetchError(
+            f"{want.where()}: HTTP {resp.status_code} {resp.reason_phrase}",
+            status=resp.status_code,
+        )
     os.lseek(fd, have, os.SEEK_SET)
     return have, hasher
 

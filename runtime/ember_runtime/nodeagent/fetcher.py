@@ -3,6 +3,8 @@
 The agent lists and watches pods with `fieldSelector=spec.nodeName=<node>` (the only pods it
 asks for), reads each pod's `ember.dev/model-fetch` annotation (written by the operator), and
 keeps every listed digest in the node cache (`cache.ContentCache`), one download per digest.
+With site sharing on (`site.SiteSharing`), a file comes from a site peer, or from the origin
+under the site's Lease; origin transfers are paced by the agent's token bucket (`ratelimit`).
 
 A failure is recorded for prewarm to report (`cache.record_failure`). A checksum or size
 mismatch is not retried — the bytes at the URL are not the ones the spec names, and fetching
@@ -13,6 +15,7 @@ origin error (HTTP 404, unreachable) is retried every `retry_seconds`.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import logging
 import ssl
@@ -29,11 +32,18 @@ from ember_runtime import reasons
 from ember_runtime.config import MODEL_FETCH_ANNOTATION, FetchFile, ModelFetch
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
+from ember_runtime.nodeagent.ratelimit import TokenBucket
+from ember_runtime.nodeagent.site import SiteSharing
+from ember_runtime.nodeagent.windows import Windows, until
 from ember_runtime.thermal.kube import ApiError, Endpoint
 
 log = logging.getLogger("ember_runtime.nodeagent.fetcher")
 
 WATCH_SECONDS = 300  # the API server ends a watch after this; the agent starts the next one
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
 
 
 class KubeReader:
@@ -52,6 +62,17 @@ class KubeReader:
 
     async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
         resp = await self._http.get(path, params=params, headers=self._auth())
+        if resp.status_code >= 300:
+            raise ApiError(resp.status_code, resp.text)
+        data: dict[str, Any] = resp.json()
+        return data
+
+    async def send(
+        self, method: str, path: str, body: dict[str, Any], content_type: str = "application/json"
+    ) -> dict[str, Any]:
+        """POST/PUT/PATCH one object; the API server's answer (the object as stored)."""
+        headers = {**self._auth(), "Content-Type": content_type}
+        resp = await self._http.request(method, path, content=json.dumps(body), headers=headers)
         if resp.status_code >= 300:
             raise ApiError(resp.status_code, resp.text)
         data: dict[str, Any] = resp.json()
@@ -95,10 +116,16 @@ class Fetcher:
         reader: KubeReader,
         node: str,
         namespace: str,
+        *,
         retry_seconds: float = 60.0,
+        site: SiteSharing | None = None,
+        limiter: TokenBucket | None = None,
+        windows: Windows | None = None,
     ) -> None:
         self.cache, self.reader, self.node, self.namespace = cache, reader, node, namespace
         self.retry_seconds = retry_seconds
+        self.site, self.limiter, self.windows = site, limiter, windows
+        self._window_stops: set[threading.Event] = set()
         self.pods: dict[str, ModelFetch] = {}  # pod uid → its fetch list
         self._running: dict[str, asyncio.Task[None]] = {}
         self._retry_at: dict[str, float] = {}
@@ -134,10 +161,15 @@ class Fetcher:
         try:
             headers = await self._headers(w)
             want = Want(w.file.url, sha, w.file.size_bytes, headers=headers)
-            log.info("fetching %s (%d bytes) from %s", sha[:12], w.file.size_bytes, want.where())
+            log.info("fetching %s (%d bytes), origin %s", sha[:12], w.file.size_bytes, want.where())
             started = time.monotonic()
-            await asyncio.to_thread(self.cache.fetch, self._http, want, self._thread_stop)
-            log.info("cached %s in %.1fs", sha[:12], time.monotonic() - started)
+            where = "origin"
+            if self.site is None:
+                await self._from_origin(want)
+            else:
+                where = await self.site.obtain(want, lambda: self._from_origin(want))
+                self.site.published()
+            log.info("cached %s from the %s in %.1fs", sha[:12], where, time.monotonic() - started)
         except FetchError as err:
             log.warning("%s: %s: %s", sha[:12], err.reason, err)
             self.cache.record_failure(sha, err)
@@ -151,6 +183,52 @@ class Fetcher:
             pass  # stopping; the partial stays for the next run
         finally:
             self._running.pop(sha, None)
+
+    async def _from_origin(self, want: Want) -> None:
+        """Download from the origin, inside the download windows if there are any: wait for
+        one to open, stop when it closes (the partial is kept) and resume in the next."""
+        if self.windows is None:
+            await asyncio.to_thread(
+                self.cache.fetch, self._http, want, self._thread_stop, limiter=self.limiter
+            )
+            return
+        while True:
+            await self._until_window(want.sha256)
+            closes = self.windows.closes_in(_utcnow())
+            stop = threading.Event()
+            self._window_stops.add(stop)
+            timer = threading.Timer(closes, stop.set) if closes is not None else None
+            if timer is not None:
+                timer.daemon = True
+                timer.start()
+            try:
+                await asyncio.to_thread(
+                    self.cache.fetch, self._http, want, stop, limiter=self.limiter
+                )
+                return
+            except InterruptedError:
+                if self._thread_stop.is_set():
+                    raise
+                log.info("%s: the download window closed; the partial waits", want.sha256[:12])
+            finally:
+                self._window_stops.discard(stop)
+                if timer is not None:
+                    timer.cancel()
+
+    async def _until_window(self, sha: str) -> None:
+        assert self.windows is not None
+        now = _utcnow()
+        wait = self.windows.opens_in(now)
+        if wait > 0:
+            why = f"outside the download window until {until(now, wait)}"
+            log.info("%s: %s", sha[:12], why)
+            self.cache.note_waiting(sha, why)
+            deadline = time.monotonic() + wait
+            while (left := deadline - time.monotonic()) > 0:
+                if self._thread_stop.is_set():
+                    raise InterruptedError(sha)
+                await asyncio.sleep(min(left, 1.0))
+        self.cache.clear_waiting(sha)
 
     async def _headers(self, w: Wanted) -> dict[str, str]:
         if w.secret_ref is None:
@@ -221,5 +299,7 @@ class Fetcher:
         finally:
             watcher.cancel()
             self._thread_stop.set()  # downloads stop at their next chunk, partials kept
+            for stop in list(self._window_stops):
+                stop.set()
             await asyncio.gather(watcher, *self._running.values(), return_exceptions=True)
             self._http.close()

@@ -42,6 +42,20 @@ def _done_bytes(config: RuntimeConfig) -> int:
     return total
 
 
+def _waiting_note(config: RuntimeConfig) -> str:
+    """'; outside the download window until 22:00 UTC' when the agent says it waits."""
+    for f in config.files:
+        if _held(config, f):
+            continue
+        try:
+            note = (Path(config.model_dir) / "waiting" / f.sha256).read_text().strip()
+        except OSError:
+            continue
+        if note:
+            return f"; {note}"
+    return ""
+
+
 def _recorded_failure(config: RuntimeConfig) -> PrewarmError | None:
     for f in config.files:
         try:
@@ -69,11 +83,13 @@ def wait_for_cache(
         if now >= deadline:
             raise PrewarmError(
                 f"{done} of {total} bytes in the node cache after "
-                f"{config.model_wait_seconds:.0f}s; the node agent is still fetching",
+                f"{config.model_wait_seconds:.0f}s; the node agent is still fetching"
+                f"{_waiting_note(config)}",
                 reasons.MODEL_DOWNLOADING,
             )
         if now >= next_say:
-            out.write(f"prewarm: waiting for the node agent: {done} of {total} bytes\n")
+            note = _waiting_note(config)
+            out.write(f"prewarm: waiting for the node agent: {done} of {total} bytes{note}\n")
             out.flush()
             next_say = now + max(interval_s, 5.0)
         if stop.wait(min(interval_s, max(deadline - now, 0.01))):

@@ -1,0 +1,227 @@
+"""A site of node agents on the real API server, for the site-sharing test and benchmark.
+
+`SiteWorld` applies the chart's node-agent objects (RBAC, the three admission policies, the
+peer key Secret) into a namespace, creates plain Node objects labelled `ember.dev/site` with
+the InternalIP each agent serves on, one pod per node carrying the `ember.dev/model-fetch`
+annotation (what the agent fetches, and the object its token is bound to, so the token's
+`authentication.kubernetes.io/node-name` is that node), and starts the real agent
+(`python -m ember_runtime.nodeagent`) as a process per node, optionally inside a network
+namespace (`ip netns exec`). Nothing about Kubernetes is faked: the agents talk to the
+API server with their own bound tokens, through the chart's policies.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ember_runtime.config import MODEL_FETCH_ANNOTATION
+from ember_runtime.nodeagent.cache import ContentCache
+from kubernetes import client
+
+from tests.conftest import Kube
+from tests.thermal.kube_support import chart_objects, kubectl_apply, token_dir
+
+AGENT_SA = "ember-nodeagent"
+PEER_SECRET = "ember-nodeagent-peer"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def site_node(name: str, site: str, ip: str) -> dict[str, Any]:
+    """A Node with no kubelet behind it: a name, a site label and an InternalIP."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"ember.dev/site": site, "type": "site-test"}},
+        "status": {"addresses": [{"type": "InternalIP", "address": ip}]},
+    }
+
+
+def fetch_annotation(files: Sequence[dict[str, Any]]) -> dict[str, str]:
+    return {MODEL_FETCH_ANNOTATION: json.dumps({"files": list(files)})}
+
+
+def fetch_pod(name: str, node: str, files: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "annotations": fetch_annotation(files) if files is not None else {},
+        },
+        "spec": {
+            "serviceAccountName": AGENT_SA,
+            "automountServiceAccountToken": False,
+            "nodeName": node,
+            "tolerations": [{"operator": "Exists"}],
+            "containers": [{"name": "agent", "image": "ember-runtime:never"}],
+        },
+    }
+
+
+@dataclass
+class Agent:
+    node: str
+    cache: ContentCache
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+
+@dataclass
+class SiteWorld:
+    kube: Kube
+    namespace: str
+    tmp: Path
+    site: str = field(default_factory=lambda: f"site-{uuid.uuid4().hex[:6]}")
+    agents: list[Agent] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    pods: list[str] = field(default_factory=list)
+    _objects: list[dict[str, Any]] = field(default_factory=list)
+
+    def install(self) -> None:
+        """The chart's node-agent objects (not the DaemonSet) for `namespace`."""
+        self._objects = [
+            o
+            for o in chart_objects("nodeagent.yaml", namespace=self.namespace)
+            if o["kind"] != "DaemonSet"
+        ]
+        kubectl_apply(self.kube, self._objects, self.tmp)
+        secret: Any = self.kube.core.read_namespaced_secret(PEER_SECRET, self.namespace)
+        (self.tmp / "peer.key").write_bytes(base64.b64decode(secret.data["key"]))
+
+    def add_nodes(self, ips: Sequence[str]) -> list[str]:
+        for i, ip in enumerate(ips):
+            name = f"{self.site}-n{i}"
+            body: Any = site_node(name, self.site, ip)
+            self.kube.core.create_node(body)
+            self.nodes.append(name)
+        return list(self.nodes)
+
+    def want(self, files: Sequence[dict[str, Any]] | None) -> None:
+        """One pod per node wanting `files` (what the agents fetch; None: nothing yet)."""
+        for node in self.nodes:
+            name = f"{node}-{uuid.uuid4().hex[:4]}"
+            pod: Any = fetch_pod(name, node, files)
+            self.kube.core.create_namespaced_pod(self.namespace, pod)
+            self.pods.append(name)
+
+    def announce(self, files: Sequence[dict[str, Any]]) -> None:
+        """Every node's pod now wants `files` (the agents see the change on their watch)."""
+        body = {"metadata": {"annotations": fetch_annotation(files)}}
+        for pod in self.pods:
+            self.kube.core.patch_namespaced_pod(pod, self.namespace, body)
+
+    def _token(self, node: str) -> Path:
+        pod_name = next(p for p in self.pods if p.startswith(f"{node}-"))
+        pod: Any = self.kube.core.read_namespaced_pod(pod_name, self.namespace)
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=[],
+                expiration_seconds=3600,
+                bound_object_ref=client.V1BoundObjectReference(
+                    kind="Pod", api_version="v1", name=pod_name, uid=pod.metadata.uid
+                ),
+            )
+        )
+        answer: Any = self.kube.core.create_namespaced_service_account_token(
+            AGENT_SA, self.namespace, request
+        )
+        return token_dir(self.kube, str(answer.status.token), self.tmp / f"sa-{node}")
+
+    def start(
+        self,
+        server: str,
+        *,
+        extra: Sequence[str] = (),
+        prefix: Callable[[int], list[str]] = lambda i: [],
+        peer_bind: str = "127.0.0.1",
+        peer_port: int = 0,
+        sharing: bool = True,
+    ) -> list[Agent]:
+        """The real agent per node; `prefix(i)` wraps its argv (e.g. `ip netns exec nsI`)."""
+        (self.tmp / "sys").mkdir(exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}/runtime:{ROOT}"}
+        for i, node in enumerate(self.nodes):
+            sa = self._token(node)
+            cache = ContentCache(self.tmp / f"cache-{node}")
+            argv = [
+                *prefix(i),
+                sys.executable,
+                "-m",
+                "ember_runtime.nodeagent",
+                f"--node_name={node}",
+                f"--server={server}",
+                f"--token_file={sa / 'token'}",
+                f"--ca_file={sa / 'ca.crt'}",
+                f"--cache_root={cache.root}",
+                f"--namespace={self.namespace}",
+                f"--sysfs_root={self.tmp / 'sys'}",
+                "--interval_seconds=60",
+                *(
+                    [
+                        f"--peer_key_file={self.tmp / 'peer.key'}",
+                        f"--peer_bind={peer_bind}",
+                        f"--peer_port={peer_port}",
+                    ]
+                    if sharing
+                    else []
+                ),
+                *extra,
+            ]
+            log = self.tmp / f"agent-{node}.log"
+            with log.open("w") as out:
+                proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.agents.append(Agent(node, cache, log, proc))
+        return self.agents
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {a.node}\n{a.log.read_text()}" for a in self.agents)
+
+    def wait(self, done: Callable[[], bool], timeout: float, what: str) -> float:
+        started = time.monotonic()
+        while not done():
+            for a in self.agents:
+                if a.proc is not None and a.proc.poll() is not None:
+                    raise AssertionError(f"agent {a.node} exited\n{self.logs()}")
+            if time.monotonic() - started > timeout:
+                raise AssertionError(f"timed out waiting for {what}\n{self.logs()}")
+            time.sleep(0.1)
+        return time.monotonic() - started
+
+    def stop_agents(self) -> list[int]:
+        """SIGTERM every agent; their exit codes (0 = stopped cleanly)."""
+        codes = []
+        for a in self.agents:
+            if a.proc is not None and a.proc.poll() is None:
+                a.proc.send_signal(signal.SIGTERM)
+        for a in self.agents:
+            if a.proc is not None:
+                try:
+                    codes.append(a.proc.wait(timeout=30))
+                except subprocess.TimeoutExpired:
+                    a.proc.kill()
+                    codes.append(-9)
+        return codes
+
+    def leases(self) -> list[Any]:
+        listed: Any = client.CoordinationV1Api(self.kube.api).list_namespaced_lease(self.namespace)
+        return [i for i in listed.items if i.metadata.name.startswith("ember-fetch-")]
+
+    def close(self) -> None:
+        self.stop_agents()
+        for node in self.nodes:
+            self.kube.kubectl("delete", "node", node, "--ignore-not-found", "--wait=false")
+        for o in self._objects:
+            if "namespace" not in o["metadata"]:
+                kind = o["kind"].lower()
+                self.kube.kubectl("delete", kind, o["metadata"]["name"], "--ignore-not-found")

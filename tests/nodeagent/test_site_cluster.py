@@ -1,0 +1,223 @@
+"""One origin download per site, on the real API server: three node agents of one site
+(processes, each with a token bound to a pod on its own Node) fetch one file; the test origin
+counts the bytes it sends. The chart's policies hold: an agent's token writes only its own
+Node's peer annotations and Leases in its own name. A wrong sha256 is downloaded once for the
+whole site and lands nothing in any cache: every agent records ChecksumMismatch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import ssl
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from ember_runtime.nodeagent.site import CACHE_ANNOTATION, PEER_ANNOTATION, lease_name, short
+
+from tests.conftest import Kube
+from tests.nodeagent.origin import serve
+from tests.nodeagent.site_support import SiteWorld
+from tests.thermal.kube_support import TcpProxy, api_server
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+SIZE = 4 * (1 << 20) + 321
+DATA = os.urandom(SIZE)
+SHA = hashlib.sha256(DATA).hexdigest()
+MERGE = {"Content-Type": "application/merge-patch+json"}
+
+
+@pytest.fixture
+def world(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[SiteWorld]:
+    world = SiteWorld(kube, namespace, tmp_path)
+    try:
+        world.install()
+        world.add_nodes(["127.0.0.1"] * 3)
+        yield world
+    finally:
+        world.close()
+
+
+def _start(world: SiteWorld, kube: Kube, url: str, sha: str) -> None:
+    world.want([{"url": url, "sha256": sha, "sizeBytes": SIZE}])
+    world.start(str(kube.api.configuration.host), extra=["--lease_seconds=6"])
+
+
+def test_three_agents_one_origin_download(world: SiteWorld, kube: Kube) -> None:
+    with serve({"m.gguf": DATA}) as (base, origin):
+        _start(world, kube, f"{base}/m.gguf", SHA)
+        world.wait(
+            lambda: all(a.cache.has(SHA, SIZE) for a in world.agents), 120, "all three caches"
+        )
+        assert origin.bytes_sent == SIZE, (origin.bytes_sent, world.logs())
+        assert len(origin.requests) == 1
+    for agent in world.agents:
+        assert agent.cache.path(SHA).read_bytes() == DATA
+    (lease,) = world.leases()
+    assert lease.metadata.name == lease_name(world.site, SHA)
+    holder = lease.spec.holder_identity
+    assert holder in world.nodes
+    # Every agent says what it holds and where, on its own Node.
+    world.wait(
+        lambda: all(
+            short(SHA) in _annotations(kube, n).get(CACHE_ANNOTATION, "") for n in world.nodes
+        ),
+        30,
+        "the cache annotations",
+    )
+    assert all(_annotations(kube, n)[PEER_ANNOTATION].startswith("127.0.0.1:") for n in world.nodes)
+    origin_logs = [a.node for a in world.agents if "from the origin" in a.log.read_text()]
+    assert origin_logs == [holder], world.logs()
+    assert world.stop_agents() == [0, 0, 0]  # SIGTERM stops each cleanly
+
+
+def test_a_holder_that_stops_renewing_is_taken_over(world: SiteWorld, kube: Kube) -> None:
+    """The holder is killed (SIGKILL: no word to anyone) mid-download; after leaseSeconds
+    another agent takes the Lease over and the site still gets the file. The origin pace is
+    the agents' maxBandwidth (500 kB/s), which also keeps the first download long enough."""
+    rate = 500_000
+    with serve({"m.gguf": DATA}) as (base, origin):
+        world.want([{"url": f"{base}/m.gguf", "sha256": SHA, "sizeBytes": SIZE}])
+        world.start(
+            str(kube.api.configuration.host),
+            extra=["--lease_seconds=4", f"--origin_max_bytes_per_second={rate}"],
+        )
+        world.wait(lambda: bool(world.leases()), 60, "the fetch Lease")
+        first = world.leases()[0].spec.holder_identity
+        (victim,) = [a for a in world.agents if a.node == first]
+        world.wait(lambda: origin.bytes_sent > 0, 30, "the first origin bytes")
+        assert victim.proc is not None
+        victim.proc.kill()
+        victim.proc.wait()
+        victim.proc = None
+        sent_before = origin.bytes_sent
+        rest = [a for a in world.agents if a is not victim]
+        took = world.wait(lambda: all(a.cache.has(SHA, SIZE) for a in rest), 120, "the takeover")
+        assert not victim.cache.has(SHA, SIZE)
+        (lease,) = world.leases()
+        assert lease.spec.holder_identity != first and lease.spec.lease_transitions >= 1
+        # The new holder starts its own copy: the killed one's bytes are the only extra.
+        assert origin.bytes_sent <= SIZE + sent_before + (1 << 20), world.logs()
+        # Paced at `rate` after the burst: the whole file cannot have taken less.
+        assert took >= (SIZE - (2 << 20)) / rate, took
+
+
+def test_a_partitioned_site_still_shares(world: SiteWorld, kube: Kube) -> None:
+    """The API server goes away for every agent (a proxy cut) while the holder downloads: the
+    holder finishes what it started, the others ask the peers they knew directly and get the
+    file from it; nobody else goes to the origin (origin_wait_seconds is 600)."""
+    proxy = TcpProxy(api_server(kube))
+    proxy.restore()
+    try:
+        with serve({"m.gguf": DATA}) as (base, origin):
+            world.want([{"url": f"{base}/m.gguf", "sha256": SHA, "sizeBytes": SIZE}])
+            world.start(
+                f"https://127.0.0.1:{proxy.port}",
+                extra=["--lease_seconds=6", "--origin_max_bytes_per_second=500000"],
+            )
+            world.wait(lambda: origin.bytes_sent > 0, 60, "the holder's first origin bytes")
+            world.wait(
+                lambda: all(PEER_ANNOTATION in _annotations(kube, n) for n in world.nodes),
+                30,
+                "every peer address",
+            )
+            time.sleep(1)  # the agents' node watches have delivered them
+            assert not any(a.cache.has(SHA, SIZE) for a in world.agents)
+            proxy.cut()
+            world.wait(
+                lambda: all(a.cache.has(SHA, SIZE) for a in world.agents), 120, "the partition"
+            )
+            assert origin.bytes_sent == SIZE and len(origin.requests) == 1, world.logs()
+    finally:
+        proxy.cut()
+    peers = [a.node for a in world.agents if "from the peer" in a.log.read_text()]
+    assert len(peers) == 2, world.logs()
+
+
+def _annotations(kube: Kube, node: str) -> dict[str, str]:
+    body: Any = kube.core.read_node(node)
+    return dict(body.metadata.annotations or {})
+
+
+def test_wrong_sha256_is_fetched_once_and_lands_nowhere(world: SiteWorld, kube: Kube) -> None:
+    wrong = hashlib.sha256(b"not these bytes").hexdigest()
+    with serve({"m.gguf": DATA}) as (base, origin):
+        _start(world, kube, f"{base}/m.gguf", wrong)
+        world.wait(
+            lambda: all(a.cache.failure(wrong) for a in world.agents), 120, "every failure record"
+        )
+        assert len(origin.requests) == 1 and origin.bytes_sent == SIZE, world.logs()
+    for agent in world.agents:
+        line = agent.cache.failure(wrong)
+        assert line is not None and line.startswith("ChecksumMismatch: "), line
+        assert agent.cache.held() == []
+        assert sorted(p.name for p in agent.cache.blobs.iterdir()) == []
+
+
+def _client(world: SiteWorld, kube: Kube, node: str) -> httpx.Client:
+    sa = world.tmp / f"sa-{node}"
+    return httpx.Client(
+        base_url=str(kube.api.configuration.host),
+        verify=ssl.create_default_context(cafile=str(sa / "ca.crt")),
+        headers={"Authorization": f"Bearer {(sa / 'token').read_text()}"},
+        timeout=10,
+    )
+
+
+def test_agent_writes_only_its_own_annotations_and_leases(world: SiteWorld, kube: Kube) -> None:
+    """The policies, with tokens made exactly as the agents' are (no agent running)."""
+    with serve({"m.gguf": DATA}) as (base, _):
+        world.want([{"url": f"{base}/m.gguf", "sha256": SHA, "sizeBytes": SIZE}])
+    own, other = world.nodes[0], world.nodes[1]
+    world._token(own)  # writes sa-<own>
+    leases = f"/apis/coordination.k8s.io/v1/namespaces/{world.namespace}/leases"
+
+    def lease(name: str, holder: str) -> dict[str, object]:
+        return {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": name},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 5},
+        }
+
+    def annotate(node: str, key: str) -> httpx.Response:
+        # A new value each time: re-writing a value already there is no change to refuse.
+        body = json.dumps({"metadata": {"annotations": {key: uuid.uuid4().hex}}})
+        return http.patch(f"/api/v1/nodes/{node}", content=body, headers=MERGE)
+
+    with _client(world, kube, own) as http:
+        deadline_ok = False
+        for _ in range(60):  # a fresh policy takes a moment to load
+            probe = annotate(own, "ember.dev/probe")
+            if probe.status_code == 403:
+                deadline_ok = True
+                break
+            time.sleep(0.5)
+        assert deadline_ok, "the annotations policy never applied"
+        assert annotate(own, PEER_ANNOTATION).status_code == 200
+        refused = annotate(other, PEER_ANNOTATION)
+        assert refused.status_code == 403 and "own node" in refused.text
+        label = http.patch(
+            f"/api/v1/nodes/{own}",
+            content=json.dumps({"metadata": {"labels": {"ember.dev/site": "elsewhere"}}}),
+            headers=MERGE,
+        )
+        assert label.status_code == 403 and "ember.dev/peer" in label.text
+        taint = http.patch(
+            f"/api/v1/nodes/{own}",
+            content=json.dumps({"spec": {"unschedulable": True}}),
+            headers=MERGE,
+        )
+        assert taint.status_code == 403
+        assert http.post(leases, json=lease("ember-fetch-x-1", own)).status_code == 201
+        foreign = http.post(leases, json=lease("ember-fetch-x-2", other))
+        assert foreign.status_code == 403 and "own node" in foreign.text
+        assert http.post(leases, json=lease("other-lease", own)).status_code == 403
+        assert http.get(leases).status_code == 403  # get by name only: no list
+        assert http.delete(f"{leases}/ember-fetch-x-1").status_code == 403
