@@ -90,6 +90,7 @@ def test_heat_with_the_api_server_down(flow: Flow, served: str, kube: Kube) -> N
     state = f"http://{ip}:8080/admin/state"
     assert httpx.get(state, timeout=5).json()["maxBatchSize"] == 8
     cp = kube.cluster.cp
+    down = time.time()
     cp.procs.stop("kube-apiserver")
     try:
         assert not cp.ready()
@@ -101,6 +102,7 @@ def test_heat_with_the_api_server_down(flow: Flow, served: str, kube: Kube) -> N
         reaction = time.monotonic() - heated
     finally:
         cp.up()  # starts the API server again (the rest is still running) and waits for /readyz
+        flow.api_outages.append((down, time.time()))
     back = time.monotonic()
     with flow.dumping(served):
         hot = flow.wait_columns(

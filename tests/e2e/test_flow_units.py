@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
-from tests.e2e.flow import REFUSED, DegradedClock
+from tests.e2e.flow import OUTAGE_GRACE_SECONDS, REFUSED, DegradedClock, refusals
 
 
 def _obj(reason: str | None, message: str = "") -> dict[str, Any]:
@@ -42,3 +43,14 @@ def test_refused_matches_a_403_but_not_a_timestamp() -> None:
     assert REFUSED.search("kubernetes.client.exceptions.ApiException: (403)")
     assert REFUSED.search('events "x" is forbidden: User cannot create')
     assert REFUSED.search("HTTP 403 on PATCH")
+
+
+def test_refusals_right_after_an_api_server_outage_are_not_rbac() -> None:
+    line = "[2026-11-30 21:25:41,080] kopf._cogs.clients.w [ERROR   ] attempt #2/9 failed: (403)"
+    at = dt.datetime(2026, 11, 30, 21, 25, 41, 80_000, tzinfo=dt.UTC).timestamp()
+    assert refusals(line, []) == [line]
+    assert refusals(line, [(at - 20, at - 1)]) == []  # within the grace after the restart
+    assert refusals(line, [(at - 100, at - OUTAGE_GRACE_SECONDS - 1)]) == [line]  # long after
+    assert refusals(line, [(at + 1, at + 5)]) == [line]  # before the outage
+    untimed = "Forbidden: something without a timestamp"
+    assert refusals(untimed, [(0, 2e9)]) == [untimed]
