@@ -31,6 +31,10 @@ MIB = 2**20
 MAX_EXPONENT = 30
 
 
+class OutOfRange(ValueError):
+    """A well-formed quantity whose exponent no spec can mean (see `parse`)."""
+
+
 def parse(value: str | int | float) -> Fraction:
     """The exact value of a quantity; ValueError when it is not one."""
     if isinstance(value, int | float):
@@ -49,7 +53,7 @@ def parse(value: str | int | float) -> Fraction:
     # pattern accepts) would hold the GIL for hours and stall the whole operator. Nothing a
     # spec sizes comes near 1e±30; int64, the API server's own range, ends near 9.2e18.
     if abs(exponent) > MAX_EXPONENT:
-        raise ValueError(f"{value!r} is out of range (exponent beyond ±{MAX_EXPONENT})")
+        raise OutOfRange(f"{value!r} is out of range (exponent beyond ±{MAX_EXPONENT})")
     return number * Fraction(10) ** exponent
 
 

@@ -41,9 +41,9 @@ def _check_quantity(value: int | str) -> str:
         if not _QUANTITY_RE.match(text):
             raise ValueError
         value_ = quantity.parse(text)
-    except ValueError as exc:
-        if "out of range" in str(exc):
-            raise
+    except quantity.OutOfRange:
+        raise
+    except ValueError:
         raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 512Mi, 2Gi, 500m)") from None
     if abs(value_) >= 2**63:
         raise ValueError(f"{text!r} is too large for a Kubernetes quantity")
