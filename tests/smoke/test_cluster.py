@@ -227,8 +227,15 @@ def test_init_and_native_sidecar(node: NodeHandle, kube: Kube, namespace: str) -
         return running >= {"side", "main"}
 
     wait_until("sidecar and main running", all_running, 90)
-    assert "prepared" in kube.core.read_namespaced_pod_log("sidecar", namespace, container="main")
-    assert "sidecar up" in kube.core.read_namespaced_pod_log("sidecar", namespace, container="side")
+
+    # "Running" means the process was started, not that Python has printed yet:
+    # a loaded CI machine once read main's log before its first line (empty).
+    def logged(container: str, text: str) -> Callable[[], bool]:
+        read = kube.core.read_namespaced_pod_log
+        return lambda: text in read("sidecar", namespace, container=container)
+
+    wait_until("main to log the init container's file", logged("main", "prepared"), 30)
+    wait_until("the sidecar's first line", logged("side", "sidecar up"), 30)
     # Both handle SIGTERM, so deletion completes well inside the 30 s grace period.
     start = time.monotonic()
     kube.core.delete_namespaced_pod("sidecar", namespace)
