@@ -2,6 +2,7 @@
 # The whole GPU benchmark in one command on the GPU machine (issue 17), repeatable:
 #
 #   GPU_DIR=.gpu OUT=/tmp/out bash bench/gpu_run.sh [TOTAL_SECONDS]
+#   GPU_DIR=.gpu OUT=/tmp/out BENCH=burst bash bench/gpu_run.sh   # bench/gpu_burst.py instead
 #
 # GPU_DIR holds what the machine cannot download: `llama.cpp.tar.xz` (llama-cpp-python's
 # vendored llama.cpp, models/ docs/ tests/ and other backends removed), `llama_cpp_py.tgz`
@@ -55,5 +56,10 @@ python3 -c "import llama_cpp as l; print('llama-cpp-python', l.__version__, 'GPU
 
 left=$(( total - ($(date +%s) - start) - 20 ))
 echo "benchmark budget: $left s"
+if [ "${BENCH:-}" = burst ]; then  # first-wave TTFT only (bench/gpu_burst.py)
+  python3 "$gpu/wt/bench/gpu_burst.py" --llama-server "$build/bin/llama-server" \
+    --models "$tmp/models" --out "$out"
+  exit
+fi
 python3 "$gpu/wt/bench/gpu_bench.py" --llama-server "$build/bin/llama-server" \
   --models "$tmp/models" --out "$out" --deadline "$left" ${BENCH_ARGS:-}
