@@ -67,7 +67,15 @@ def _env() -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,  # a missing variable is a bug, not an empty string
         autoescape=False,  # noqa: S701 - YAML, not HTML; user values go through |tojson
         keep_trailing_newline=True,
+        # Packaged templates never change under a running operator; with auto_reload every
+        # get_template stats the file (a tenth of a reconcile's CPU at fleet scale).
+        auto_reload=False,
     )
+
+
+# libyaml's parser when PyYAML has it (its wheels do): the same SafeLoader rules, and parsing
+# the rendered manifests in pure Python was half of a reconcile's CPU at fleet scale.
+_YAML_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
 
 
 def labels_for(name: str) -> dict[str, str]:
@@ -446,7 +454,7 @@ def render(
 
 def _render_one(kind: str, context: dict[str, Any]) -> dict[str, Any]:
     text = _env().get_template(f"{kind}.yaml.j2").render(**context)
-    manifest = yaml.safe_load(text)
+    manifest = yaml.load(text, Loader=_YAML_LOADER)  # noqa: S506 - a safe loader
     if not isinstance(manifest, dict):
         raise TypeError(f"template {kind} did not render a mapping")
     return manifest

@@ -1,0 +1,67 @@
+"""The Kopf wiring's assumptions, and the plan caches, checked without a cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+from ember_operator import apply, handlers, reconcile
+from ember_operator.settings import OperatorSettings
+from kopf._cogs.structs import diffs
+
+from tests.operator.specs import manifest
+
+
+def test_no_change_detecting_handlers_so_the_empty_diff_base_is_safe() -> None:
+    """`NoDiffBase` gives Kopf an empty essence for every body: right only while no handler
+    needs Kopf's diffs. An on.create/update/resume/field handler, a timer or a daemon added
+    later must come with Kopf's own storage back (`handlers.configure`)."""
+    registry = kopf.get_default_registry()
+    # Kopf has no public accessor; these are the registries `_detect_causes` consults.
+    assert list(registry._changing.get_all_handlers()) == []
+    assert list(registry._spawning.get_all_handlers()) == []
+    assert list(registry._watching.get_all_handlers())  # the on.event handlers are there
+
+
+def test_empty_diff_base_copies_nothing_and_diffs_empty() -> None:
+    storage = handlers.NoDiffBase()
+    raw: kopf.RawBody = {
+        "metadata": {"name": "a", "labels": {"app": "x"}},
+        "spec": {"replicas": 2},
+        "status": {"phase": "Ready"},
+    }
+    body = kopf.Body(raw)
+    old, new = storage.fetch(body=body), storage.build(body=body)
+    assert old == new == {}
+    assert diffs.diff(old, new) == ()
+
+
+def _context() -> reconcile.Context:
+    # Only the plan caches and settings are used here; no API client is needed.
+    unused: Any = None
+    settings = OperatorSettings(runtime_image="example/runtime:1")
+    return reconcile.Context(
+        api=unused, applier=unused, settings=settings, writer=unused, hot=unused
+    )
+
+
+def test_a_fresh_plan_hands_its_manifests_to_the_apply_once() -> None:
+    ctx = _context()
+    body = {**manifest("demo"), "metadata": {"name": "demo", "namespace": "ns", "uid": "u-1"}}
+    body["metadata"]["generation"] = 1
+    plan = reconcile.planned(ctx, body)
+    first = reconcile.manifests_of(ctx, body, plan)  # the ones `planned` rendered
+    again = reconcile.manifests_of(ctx, body, plan)  # rendered anew: equal, not the same
+    assert first == again and first is not again
+    assert {m["kind"]: apply.digest_of(m) for m in first} == {
+        kind: child.digest for kind, child in plan.children.items()
+    }
+    assert not ctx.fresh  # handed out once, not kept per object
+
+
+def test_fresh_manifests_are_bounded() -> None:
+    ctx = _context()
+    for i in range(reconcile.FRESH_CACHE_SIZE + 10):
+        meta = {"name": f"o{i}", "namespace": "ns", "uid": f"u-{i}", "generation": 1}
+        reconcile.planned(ctx, {**manifest(f"o{i}"), "metadata": meta})
+    assert len(ctx.fresh) == reconcile.FRESH_CACHE_SIZE
