@@ -368,6 +368,27 @@ def test_node_agent_cache_is_its_own_and_the_operator_mounts_the_same_path(helm:
     assert op_env["EMBER_OPERATOR_NODE_CACHE_ROOT"] == "/srv/ember-cache"
 
 
+def test_node_agent_metrics_port(helm: str) -> None:
+    """The agent's /metrics (origin and peer bytes): a named containerPort and the setting that
+    makes the agent serve it; 0 renders neither."""
+
+    def agent_container(*args: str) -> dict[str, Any]:
+        docs = render(helm, *args)
+        (agent,) = [d for d in by_kind(docs, "DaemonSet") if "nodeagent" in d["metadata"]["name"]]
+        (container,) = agent["spec"]["template"]["spec"]["containers"]
+        return dict(container)
+
+    container = agent_container("--set", "nodeAgent.metricsPort=9555")
+    assert {"name": "metrics", "containerPort": 9555, "protocol": "TCP"} in container["ports"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["EMBER_NODEAGENT_METRICS_PORT"] == "9555"
+    off = agent_container(
+        "--set", "nodeAgent.metricsPort=0", "--set", "nodeAgent.siteSharing.enabled=false"
+    )
+    assert "ports" not in off
+    assert "EMBER_NODEAGENT_METRICS_PORT" not in {e["name"] for e in off["env"]}
+
+
 def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
     """On by default: the agent on the host network with its peer port, the key Secret the
     chart made mounted read-only, the site settings and maxBandwidth as its environment; off,
@@ -383,7 +404,10 @@ def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
     pod = agent["spec"]["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     (container,) = pod["containers"]
-    assert container["ports"] == [{"name": "peer", "containerPort": 7431, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "peer", "containerPort": 7431, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 9403, "protocol": "TCP"},
+    ]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["EMBER_NODEAGENT_PEER_KEY_FILE"] == "/var/run/ember/peer/key"
     assert env["EMBER_NODEAGENT_PEER_PORT"] == "7431"
