@@ -23,6 +23,7 @@ from ember_runtime.config import SensorSettings, ThermalPolicy, ThermalReading
 from ember_runtime.nodeagent import windows
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
+from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.metrics import AgentMetrics
 from ember_runtime.nodeagent.peerauth import PeerKey
 from ember_runtime.nodeagent.peerserver import PeerServer
@@ -99,6 +100,12 @@ class AgentSettings(BaseSettings):
         description="Serve Prometheus /metrics here (0: any free port); None: no endpoint.",
     )
     metrics_bind: str = "0.0.0.0"  # noqa: S104 - scraped from outside the node
+    label_resync_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="Compare the cache with the Node's cache.ember.dev/ labels this often "
+        "(a change the agent makes itself is labelled at once).",
+    )
 
     @field_validator("origin_windows")
     @classmethod
@@ -172,6 +179,10 @@ async def run(settings: AgentSettings) -> None:
         if settings.peer_key_file is not None:
             server, site = start_site_sharing(settings, cache, reader, metrics)
             tasks.append(asyncio.create_task(site.run()))
+        labels = CacheLabels(
+            cache, reader, settings.node_name, resync_seconds=settings.label_resync_seconds
+        )
+        tasks.append(asyncio.create_task(labels.run()))
         limiter = None
         if settings.origin_max_bytes_per_second is not None:
             limiter = TokenBucket(settings.origin_max_bytes_per_second)
@@ -185,6 +196,7 @@ async def run(settings: AgentSettings) -> None:
             limiter=limiter,
             windows=Windows(settings.origin_windows) if settings.origin_windows else None,
             metrics=metrics,
+            labels=labels,
         )
         tasks.append(asyncio.create_task(fetcher.run()))
         log.info("keeping models for %s's pods in %s", settings.node_name, settings.cache_root)

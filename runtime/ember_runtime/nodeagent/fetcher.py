@@ -32,6 +32,7 @@ from ember_runtime import reasons
 from ember_runtime.config import MODEL_FETCH_ANNOTATION, FetchFile, ModelFetch
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
+from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.metrics import ORIGIN, AgentMetrics
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.nodeagent.site import SiteSharing
@@ -123,9 +124,10 @@ class Fetcher:
         limiter: TokenBucket | None = None,
         windows: Windows | None = None,
         metrics: AgentMetrics | None = None,
+        labels: CacheLabels | None = None,
     ) -> None:
         self.cache, self.reader, self.node, self.namespace = cache, reader, node, namespace
-        self.metrics = metrics
+        self.metrics, self.labels = metrics, labels
         self.retry_seconds = retry_seconds
         self.site, self.limiter, self.windows = site, limiter, windows
         self._window_stops: set[threading.Event] = set()
@@ -172,6 +174,8 @@ class Fetcher:
             else:
                 where = await self.site.obtain(want, lambda: self._from_origin(want))
                 self.site.published()
+            if self.labels is not None:
+                self.labels.changed()
             log.info("cached %s from the %s in %.1fs", sha[:12], where, time.monotonic() - started)
         except FetchError as err:
             log.warning("%s: %s: %s", sha[:12], err.reason, err)
