@@ -10,16 +10,16 @@ log names them per transfer.
 
 from __future__ import annotations
 
-from typing import Any
+from prometheus_client import CollectorRegistry, Counter
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from ember_runtime.promserve import ServedRegistry
 
 ORIGIN, PEER = "origin", "peer"
 
 
-class AgentMetrics:
+class AgentMetrics(ServedRegistry):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        super().__init__(registry)
         self.fetched_bytes = Counter(
             "ember_nodeagent_fetched_bytes",
             "Model bytes written into the node cache, by source (origin or peer).",
@@ -40,20 +40,7 @@ class AgentMetrics:
         for source in (ORIGIN, PEER):  # both series exist from the start, at 0
             self.fetched_bytes.labels(source)
             self.fetched_files.labels(source)
-        self._server: Any = None
 
     def meter(self, source: str) -> Counter:
         """The byte counter of one source (its `inc` is what the download loop calls)."""
         return self.fetched_bytes.labels(source)
-
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on a background thread; return the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        return int(server.server_port)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
