@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
@@ -368,8 +369,11 @@ async def infd_event(**kwargs: Any) -> None:
     elif settled(ctx, body, kwargs):
         ctx.refreshes.mark(key)
     else:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(ctx.reconciles, reconcile, ctx, body, kwargs, "event", 0)
+        # As asyncio.to_thread does, but on the reconcile pool: with the handler's context.
+        context = contextvars.copy_context()
+        await asyncio.get_running_loop().run_in_executor(
+            ctx.reconciles, lambda: context.run(reconcile, ctx, body, kwargs, "event", 0)
+        )
 
 
 def _forget(ctx: Context, body: Mapping[str, Any], key: tuple[str, str]) -> None:
