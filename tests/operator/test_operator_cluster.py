@@ -417,17 +417,6 @@ def test_init_container_failure_degrades_with_an_event(
     assert pod["metadata"]["name"] in event["message"]
 
 
-def _report_prewarm(kube: Any, namespace: str, pod: str, message: str | None) -> None:
-    """Set the pod's prewarm status as the kubelet would (see `_init_status`)."""
-    rest.request(
-        kube.api,
-        "PATCH",
-        f"{rest.path('pods', namespace, pod)}/status",
-        body={"status": {"initContainerStatuses": [_init_status(message)]}},
-        content_type="application/strategic-merge-patch+json",
-    )
-
-
 def _init_status(message: str | None) -> dict[str, Any]:
     """prewarm as the kubelet reports it: back-off after a ModelDownloading exit, or (None)
     completed after one (its lastState keeps the old exit)."""
@@ -503,7 +492,13 @@ def test_http_source_prefers_cached_nodes_and_shows_each_nodes_download(
             3_400_000_000,
         )
         reports[p["metadata"]["name"]] = detail
-        _report_prewarm(kube, namespace, p["metadata"]["name"], detail)
+        rest.request(
+            kube.api,
+            "PATCH",
+            f"{rest.path('pods', namespace, p['metadata']['name'])}/status",
+            body={"status": {"initContainerStatuses": [_init_status(detail)]}},
+            content_type="application/strategic-merge-patch+json",
+        )
     both = "2 nodes wait for the model: " + "; ".join(sorted(reports.values()))
     assert "0.6 of 3.4 GB in the node cache, ETA 4m40s" in both
     wait_for(
@@ -529,7 +524,13 @@ def test_http_source_prefers_cached_nodes_and_shows_each_nodes_download(
     before = len(downloading())
     # One node's prewarm completes: the message (and one more Event) names only the other.
     first = min(reports, key=lambda name: reports[name])
-    _report_prewarm(kube, namespace, first, None)
+    rest.request(
+        kube.api,
+        "PATCH",
+        f"{rest.path('pods', namespace, first)}/status",
+        body={"status": {"initContainerStatuses": [_init_status(None)]}},
+        content_type="application/strategic-merge-patch+json",
+    )
     (rest_node,) = [d for name, d in reports.items() if name != first]
     one = f"1 node waits for the model: {rest_node}"
     wait_for(

@@ -10,16 +10,16 @@ log names them per transfer.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from typing import Any
 
-from ember_runtime.promserve import ServedRegistry
+from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 ORIGIN, PEER = "origin", "peer"
 
 
-class AgentMetrics(ServedRegistry):
+class AgentMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        super().__init__(registry)
+        self.registry = registry or CollectorRegistry()
         self.fetched_bytes = Counter(
             "ember_nodeagent_fetched_bytes",
             "Model bytes written into the node cache, by source (origin or peer).",
@@ -40,7 +40,20 @@ class AgentMetrics(ServedRegistry):
         for source in (ORIGIN, PEER):  # both series exist from the start, at 0
             self.fetched_bytes.labels(source)
             self.fetched_files.labels(source)
+        self._server: Any = None
 
     def meter(self, source: str) -> Counter:
         """The byte counter of one source (its `inc` is what the download loop calls)."""
         return self.fetched_bytes.labels(source)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on a background thread; return the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
