@@ -14,11 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 from ember_runtime import reasons
-from ember_runtime.config import cache_label
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, _locked_partial
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
-from ember_runtime.nodeagent.labels import CacheLabels, label_patch
-from ember_runtime.nodeagent.site import short
 
 from tests.nodeagent.origin import serve
 
@@ -206,22 +203,3 @@ def test_interrupted_before_any_byte_leaves_no_partial(
     with serve({"m.gguf": DATA}) as (base, _), pytest.raises(InterruptedError):
         cache.fetch(client, Want(f"{base}/m.gguf", SHA, SIZE), stop=stop)
     assert _entries(cache) == []
-
-
-def test_cache_label_patch_sets_new_digests_and_deletes_gone_ones(tmp_path: Path) -> None:
-    """The agent's Node labels follow the cache: a complete file gets its label, a partial or
-    a stray name none, and a label whose file is gone is deleted (null in the merge patch)."""
-    cache = ContentCache(tmp_path)
-    cache.blobs.mkdir(parents=True)
-    held, gone = "ab" * 32, "cd" * 32
-    cache.path(held).write_bytes(b"x")
-    cache.partial("ef" * 32).write_bytes(b"half")
-    (cache.blobs / "stray").write_bytes(b"?")
-    labels = CacheLabels(cache, api=None, node="n")  # type: ignore[arg-type] # no API call here
-    desired = labels.desired()
-    assert desired == {f"cache.ember.dev/{held[:16]}": "true"}
-    assert cache_label(held) == f"cache.ember.dev/{short(held)}"  # the annotations' digest
-    current = {f"cache.ember.dev/{gone[:16]}": "true", f"cache.ember.dev/{held[:16]}": "true"}
-    assert label_patch(current, desired) == {f"cache.ember.dev/{gone[:16]}": None}
-    assert label_patch({}, desired) == desired
-    assert label_patch(desired, desired) == {}  # nothing changed: no write

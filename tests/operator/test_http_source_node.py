@@ -12,8 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,6 @@ pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]
 CACHE = Path("/var/lib/ember/cache")  # the operator's default node_cache_root, on this node
 WRONG = "0" * 64
 ROOT = Path(__file__).resolve().parents[2]
-SLOW_RATE = 2_000_000  # bytes/s: the packaged model (~253 MB) takes ~2 minutes
 
 
 def _forget(sha: str) -> None:
@@ -54,23 +52,6 @@ def origin(gemma_gguf: Path) -> Iterator[tuple[str, OriginState]]:
 @pytest.fixture
 def agent(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """The node agent as a process on the node, with the chart's RBAC in `namespace` (its own)."""
-    with _running_agent(kube, namespace, tmp_path) as proc:
-        yield proc
-
-
-@pytest.fixture
-def slow_agent(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    """The agent pacing origin downloads at SLOW_RATE (its maxBandwidth)."""
-    with _running_agent(
-        kube, namespace, tmp_path, [f"--origin_max_bytes_per_second={SLOW_RATE}"]
-    ) as proc:
-        yield proc
-
-
-@contextmanager
-def _running_agent(
-    kube: Kube, namespace: str, tmp_path: Path, extra: Sequence[str] = ()
-) -> Iterator[subprocess.Popen[str]]:
     objects = [
         o for o in chart_objects("nodeagent.yaml", namespace=namespace) if o["kind"] != "DaemonSet"
     ]
@@ -96,7 +77,6 @@ def _running_agent(
         f"--namespace={namespace}",
         f"--sysfs_root={tmp_path / 'sys'}",
         "--interval_seconds=60",
-        *extra,
     ]
     log_path = tmp_path / "agent.log"
     with log_path.open("w") as log:
@@ -134,17 +114,6 @@ def world(
     agent: subprocess.Popen[str],
 ) -> World:
     """The operator, the runtime image on the node, the origin and the node agent, all running."""
-    return runtime_image, *origin
-
-
-@pytest.fixture
-def slow_world(
-    operator: Any,
-    runtime_image: str,  # noqa: F811 - the imported fixture
-    origin: tuple[str, OriginState],
-    slow_agent: subprocess.Popen[str],
-) -> World:
-    """As `world`, with the agent pacing the origin at SLOW_RATE."""
     return runtime_image, *origin
 
 
@@ -215,50 +184,4 @@ def test_wrong_sha256_shows_checksum_mismatch_and_caches_nothing(
         # The agent watches every pod on the node: an earlier test's pod, still terminating,
         # may have had it start on that model too.
         _forget(WRONG)
-        _forget(MODEL_SHA256)
-
-
-def test_a_slow_download_shows_the_nodes_bytes_and_eta_then_serves(
-    kube: Kube, namespace: str, gemma_gguf: Path, slow_world: World
-) -> None:
-    """The whole progress path on the real node: the agent downloads at 2 MB/s; the real
-    prewarm container waits its first minute, exits ModelDownloading with this node's bytes
-    and an ETA from the growth it saw; the operator shows it as STATUS and in `describe`; the
-    kubelet restarts prewarm, which finds the file, and the replica stops being Degraded."""
-    image, base, state = slow_world
-    _forget(MODEL_SHA256)
-    size = gemma_gguf.stat().st_size
-    url = f"{base}/{MODEL_FILENAME}"
-    try:
-        rest.create(kube.api, "infd", namespace, _infd(image, "slow", url, MODEL_SHA256, size))
-
-        def degraded() -> dict[str, Any]:
-            obj = rest.get(kube.api, "infd", namespace, "slow") or {}
-            conds = (obj.get("status") or {}).get("conditions") or []
-            return next((c for c in conds if c["type"] == "Degraded"), {})
-
-        cond = wait_for(
-            "ModelDownloading",
-            lambda: (c := degraded()).get("reason") == "ModelDownloading" and c,
-            timeout=300,
-            interval=2,
-        )
-        message = cond["message"]
-        assert message.startswith(f"1 node waits for the model: {NODE_NAME}: "), message
-        assert f" of {size / 1e6:.1f} MB in the node cache, ETA " in message, message
-        assert "ETA unknown" not in message and " MB/s over 1m00s)" in message, message
-        cols = table_columns(kube.kubectl("get", "infd", "slow", "-n", namespace))
-        assert cols["STATUS"] == "ModelDownloading"
-        described = kube.kubectl("describe", "infd", "slow", "-n", namespace)
-        assert f"{NODE_NAME}: " in described and "ETA" in described, described
-        # The download finishes; the restarted prewarm copies and exits 0, and the old
-        # ModelDownloading exit in its lastState no longer makes the replica Degraded.
-        wait_for(
-            "Degraded to clear",
-            lambda: degraded().get("status") == "False",
-            timeout=600,
-            interval=2,
-        )
-        assert state.bytes_sent == size  # one download, nothing fetched twice
-    finally:
         _forget(MODEL_SHA256)
