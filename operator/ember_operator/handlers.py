@@ -105,7 +105,8 @@ class NoDiffBase(kopf.DiffBaseStorage):
     Kopf still builds the "essence" of every event's body (a deep copy, managedFields and all)
     and diffs it; at fleet scale that copying was a tenth of the operator's CPU. Empty
     essences on both sides make the diff empty, and nothing is stored on the objects.
-    `test_handlers.py` fails if a change-detecting handler is ever registered."""
+    `test_handlers.py` fails if Ember ever registers a change-detecting handler, and
+    `configure` keeps Kopf's own storage in a process that has one."""
 
     def build(
         self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None
@@ -119,6 +120,15 @@ class NoDiffBase(kopf.DiffBaseStorage):
         return None
 
 
+def _has_change_handlers(registry: kopf.OperatorRegistry) -> bool:
+    """Whether anything in this process needs Kopf's diffs: not Ember's own handlers, but a
+    process that loads other handlers beside them (the test suite runs a toy operator with an
+    on.create in the same process) must keep Kopf's storage. Kopf has no public accessor."""
+    return bool(
+        list(registry._changing.get_all_handlers()) or list(registry._spawning.get_all_handlers())
+    )
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Kopf would post an Event for every handler success; only warnings are worth a write.
@@ -127,7 +137,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 12
-    settings.persistence.diffbase_storage = NoDiffBase()
+    if not _has_change_handlers(kopf.get_default_registry()):
+        settings.persistence.diffbase_storage = NoDiffBase()
     api = api_client()
     memo.ctx = Context(
         api=api,

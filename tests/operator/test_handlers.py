@@ -15,12 +15,26 @@ from tests.operator.specs import manifest
 def test_no_change_detecting_handlers_so_the_empty_diff_base_is_safe() -> None:
     """`NoDiffBase` gives Kopf an empty essence for every body: right only while no handler
     needs Kopf's diffs. An on.create/update/resume/field handler, a timer or a daemon added
-    later must come with Kopf's own storage back (`handlers.configure`)."""
+    to Ember later must come with Kopf's own storage back (`handlers.configure`)."""
     registry = kopf.get_default_registry()
+
+    def ours(found: Any) -> list[Any]:  # the suite also loads a toy operator into it
+        return [h for h in found if h.fn.__module__.startswith("ember_operator")]
+
     # Kopf has no public accessor; these are the registries `_detect_causes` consults.
-    assert list(registry._changing.get_all_handlers()) == []
-    assert list(registry._spawning.get_all_handlers()) == []
-    assert list(registry._watching.get_all_handlers())  # the on.event handlers are there
+    assert ours(registry._changing.get_all_handlers()) == []
+    assert ours(registry._spawning.get_all_handlers()) == []
+    assert ours(registry._watching.get_all_handlers())  # the on.event handlers are there
+
+
+def test_a_process_with_change_handlers_keeps_kopfs_diff_base() -> None:
+    registry = kopf.OperatorRegistry()
+    assert not handlers._has_change_handlers(registry)
+
+    @kopf.on.create("example.dev", "v1", "things", registry=registry)
+    def created(**_: Any) -> None: ...
+
+    assert handlers._has_change_handlers(registry)
 
 
 def test_empty_diff_base_copies_nothing_and_diffs_empty() -> None:
