@@ -221,7 +221,7 @@ def settled(ctx: Context, body: Mapping[str, Any], indexes: Mapping[str, Any]) -
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     with ctx.lock:
-        plan = ctx.plans.get((meta["uid"], int(meta.get("generation", 0))))
+        plan = ctx.plans.get(_plan_key(body))
         ready = plan is not None and key[0] in ctx.identities
     if plan is None or not ready or key in ctx.requeue:
         return False
