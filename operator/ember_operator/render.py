@@ -25,6 +25,7 @@ from ember_runtime.config import (
     SensorSettings,
     ServerSettings,
     ThermalPolicy,
+    cache_label,
 )
 
 from ember_operator import quantity
@@ -42,6 +43,10 @@ EXTENDED_RESOURCE = {
 }
 API_KEY_DIR = "/etc/ember/api-key"
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+SITE_LABEL = "ember.dev/site"
+# The most a preference may weigh (the API's limit); split over a model's files, so a node
+# holding all of them scores highest and one holding some still beats one holding none.
+MAX_PREFERENCE_WEIGHT = 100
 PREWARM_OVERHEAD_BYTES = 128 * quantity.MIB
 
 
@@ -383,6 +388,34 @@ def _env_vars(settings: OperatorSettings) -> list[dict[str, Any]]:
     return env
 
 
+def affinity(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The pod's affinity: required `placement.sites`; for an http source, a preferred term per
+    file for nodes whose agent holds it (label `cache.ember.dev/<digest16>`, set by the agent),
+    so a rescheduled or added replica lands where the model is and starts without a download.
+    Preferred, never required: a node without it fetches the model, which is the normal path."""
+    node_affinity: dict[str, Any] = {}
+    if spec.placement.sites:
+        expression = {"key": SITE_LABEL, "operator": "In", "values": list(spec.placement.sites)}
+        node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {
+            "nodeSelectorTerms": [{"matchExpressions": [expression]}]
+        }
+    if spec.model.source.http is not None:
+        digests = list(dict.fromkeys(f.sha256 for f in spec.model.files))
+        weight = max(1, MAX_PREFERENCE_WEIGHT // len(digests))
+        node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] = [
+            {
+                "weight": weight,
+                "preference": {
+                    "matchExpressions": [
+                        {"key": cache_label(sha), "operator": "In", "values": ["true"]}
+                    ]
+                },
+            }
+            for sha in digests
+        ]
+    return {"nodeAffinity": node_affinity} if node_affinity else {}
+
+
 def pod_annotations(spec: InferenceDeploymentSpec, config_hash: str) -> dict[str, str]:
     """The pod template's annotations; an http source adds what the node agent must fetch."""
     out = {"ember.dev/config-hash": config_hash}
@@ -430,6 +463,7 @@ def render(
         "config_data": data,
         "pod_annotations": pod_annotations(spec, restart_hash(spec, settings, sizing)),
         "node_selector": dict(spec.placement.node_selector),
+        "affinity": affinity(spec),
         "tolerations": [
             t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations
         ],

@@ -42,7 +42,13 @@ def _one_line(text: str) -> str:
 
 
 def _terminated(cstatus: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The container's failed termination, current or previous, if any."""
+    """The container's failed termination, current or previous, if any. A container whose
+    current run succeeded has no failure, whatever its previous run said (a prewarm that exited
+    with ModelDownloading and then found the model completes; its lastState keeps the old
+    exit for the pod's whole life)."""
+    current = (cstatus.get("state") or {}).get("terminated")
+    if current and current.get("exitCode", 0) == 0:
+        return None
     for key in ("state", "lastState"):
         term = (cstatus.get(key) or {}).get("terminated")
         if term and term.get("exitCode", 0) != 0:
@@ -306,13 +312,36 @@ def conditions_for(obs: Observed) -> list[dict[str, Any]]:
         )
     else:
         prog = _condition(PROGRESSING, True, reasons.ROLLING_OUT, f"{replicas} pods, {ready} ready")
-    if failures:
-        failure = failures[0]["failure"]
-        message = f"pod {failures[0]['pod']}: {failure['message']}"
-        degraded = _condition(DEGRADED, True, failure["reason"], message)
-    else:
-        degraded = _condition(DEGRADED, False, reasons.AS_EXPECTED, "")
-    return [ready_c, prog, degraded]
+    return [ready_c, prog, _degraded(failures)]
+
+
+def _degraded(failures: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Degraded from the pods' failures. A real failure comes first; replicas that only wait
+    for their model make one ModelDownloading condition listing every waiting node's progress
+    (prewarm's message: `node-a: 1.2 of 3.4 GB in the node cache, ETA 2m10s (…)`)."""
+    if not failures:
+        return _condition(DEGRADED, False, reasons.AS_EXPECTED, "")
+    blocking = [p for p in failures if p["failure"]["reason"] != reasons.MODEL_DOWNLOADING]
+    if blocking:
+        first = blocking[0]
+        message = f"pod {first['pod']}: {first['failure']['message']}"
+        return _condition(DEGRADED, True, first["failure"]["reason"], message)
+    return _condition(DEGRADED, True, reasons.MODEL_DOWNLOADING, downloading_message(failures))
+
+
+def downloading_message(pods: Iterable[Mapping[str, Any]]) -> str:
+    """One entry per node (its pods share the node's cache, so one says it for all), sorted,
+    so the text changes only when a node's progress report does."""
+    per_node: dict[str, str] = {}
+    for pod in sorted(pods, key=lambda p: str(p.get("pod"))):
+        node = str(pod.get("node") or f"pod {pod.get('pod')}")
+        text = str(pod["failure"]["message"])
+        # prewarm names its node; an older prewarm's message ("N of M bytes…") does not.
+        per_node.setdefault(node, text if text.startswith(f"{node}: ") else f"{node}: {text}")
+    parts = [per_node[n] for n in sorted(per_node)]
+    noun = "node waits" if len(parts) == 1 else "nodes wait"
+    message = f"{len(parts)} {noun} for the model: " + "; ".join(parts)
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 1] + "…"
 
 
 def _with_times(

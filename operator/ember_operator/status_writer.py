@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ember_runtime import reasons
 from kubernetes import client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
@@ -159,19 +160,31 @@ class StatusWriter:
         metrics.record_conditions(key, None)
 
 
+def worth_an_event(degraded: Mapping[str, Any], old: list[Mapping[str, Any]]) -> bool:
+    """Whether this Degraded condition is news against the conditions last written."""
+    if degraded["status"] != "True":
+        return False
+    before = next((c for c in old if c.get("type") == status.DEGRADED), {})
+    if before.get("status") != "True" or before.get("reason") != degraded["reason"]:
+        return True
+    progress = degraded["reason"] == reasons.MODEL_DOWNLOADING
+    return progress and bool(before.get("message") != degraded["message"])
+
+
 def _announce_degraded(
     api: ApiClient,
     body: Mapping[str, Any],
     degraded: Mapping[str, Any],
     old: list[Mapping[str, Any]],
 ) -> None:
-    """One Warning Event per new Degraded reason, not one per refresh. Posted with our own client,
-    not `kopf.warn`: status is written from Kopf's handlers and from the operator's own delayed
-    work (coalesced refreshes, retries), where Kopf's event-posting context does not exist."""
-    if degraded["status"] != "True":
-        return
-    before = next((c for c in old if c.get("type") == status.DEGRADED), {})
-    if before.get("status") == "True" and before.get("reason") == degraded["reason"]:
+    """One Warning Event per new Degraded reason, not one per refresh; for ModelDownloading also
+    one per new progress report (its message changes only when a replica's prewarm exits with
+    one: a minute after it starts waiting, then every `model_wait_seconds`), so `kubectl
+    describe infd` shows each node's bytes and ETA as they were reported. Posted with our own
+    client, not `kopf.warn`: status is written from Kopf's handlers and from the operator's own
+    delayed work (coalesced refreshes, retries), where Kopf's event-posting context does not
+    exist."""
+    if not worth_an_event(degraded, old):
         return
     meta = body["metadata"]
     ref = ObjectRef(f"{GROUP}/{VERSION}", KIND, meta["name"], meta["namespace"], meta["uid"])

@@ -49,6 +49,15 @@ class ModelFile(_Wire):
 # On a pod whose model comes from an http source: what the node agent must fetch for it (a
 # `ModelFetch` as JSON). The agent reads it from the pods on its node; prewarm waits for it.
 MODEL_FETCH_ANNOTATION = "ember.dev/model-fetch"
+# On a Node whose agent holds a file in its cache: `cache.ember.dev/<first 16 hex of the
+# sha256>: "true"` (a sha256 does not fit a label name; 64 bits tell a fleet's models apart).
+# The agent sets and removes it; the operator prefers nodes that carry it (nodeAffinity).
+CACHE_LABEL_PREFIX = "cache.ember.dev/"
+CACHE_LABEL_DIGEST = 16
+
+
+def cache_label(sha256: str) -> str:
+    return f"{CACHE_LABEL_PREFIX}{sha256[:CACHE_LABEL_DIGEST]}"
 
 
 class FetchFile(_Wire):

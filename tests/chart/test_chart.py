@@ -182,7 +182,8 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
         # The pods on its node (by field selector), for the http sources it fetches.
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
-        # Site sharing: its own Node, its site's Nodes, its own annotations (policy below).
+        # Its own Node's cache labels (and, site sharing, its site's Nodes and its own
+        # annotations): narrowed by the -own-metadata policy below.
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
     ]
     # The operator binds exactly the runtime's role, and no other.
@@ -200,7 +201,7 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
     assert policies == {
         "ember-runtime-own-pod",
         "ember-nodeagent-own-node",
-        "ember-nodeagent-own-annotations",
+        "ember-nodeagent-own-metadata",
         "ember-nodeagent-own-leases",
     }
     assert {b["spec"]["policyName"] for b in bindings} == policies
@@ -368,10 +369,31 @@ def test_node_agent_cache_is_its_own_and_the_operator_mounts_the_same_path(helm:
     assert op_env["EMBER_OPERATOR_NODE_CACHE_ROOT"] == "/srv/ember-cache"
 
 
+def test_node_agent_metrics_port(helm: str) -> None:
+    """The agent's /metrics (origin and peer bytes): a named containerPort and the setting that
+    makes the agent serve it; 0 renders neither."""
+
+    def agent_container(*args: str) -> dict[str, Any]:
+        docs = render(helm, *args)
+        (agent,) = [d for d in by_kind(docs, "DaemonSet") if "nodeagent" in d["metadata"]["name"]]
+        (container,) = agent["spec"]["template"]["spec"]["containers"]
+        return dict(container)
+
+    container = agent_container("--set", "nodeAgent.metricsPort=9555")
+    assert {"name": "metrics", "containerPort": 9555, "protocol": "TCP"} in container["ports"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["EMBER_NODEAGENT_METRICS_PORT"] == "9555"
+    off = agent_container(
+        "--set", "nodeAgent.metricsPort=0", "--set", "nodeAgent.siteSharing.enabled=false"
+    )
+    assert "ports" not in off
+    assert "EMBER_NODEAGENT_METRICS_PORT" not in {e["name"] for e in off["env"]}
+
+
 def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
     """On by default: the agent on the host network with its peer port, the key Secret the
     chart made mounted read-only, the site settings and maxBandwidth as its environment; off,
-    none of it (no hostNetwork, no Lease Role, no node writes)."""
+    none of it (no hostNetwork, no Lease Role, no site Nodes: only its own cache labels)."""
     docs = render(
         helm,
         "--set",
@@ -383,7 +405,10 @@ def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
     pod = agent["spec"]["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     (container,) = pod["containers"]
-    assert container["ports"] == [{"name": "peer", "containerPort": 7431, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "peer", "containerPort": 7431, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 9403, "protocol": "TCP"},
+    ]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["EMBER_NODEAGENT_PEER_KEY_FILE"] == "/var/run/ember/peer/key"
     assert env["EMBER_NODEAGENT_PEER_PORT"] == "7431"
@@ -409,6 +434,11 @@ def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
     assert "hostNetwork" not in agent["spec"]["template"]["spec"]
     assert [r["metadata"]["name"] for r in by_kind(off, "Role")] == ["ember-nodeagent-secrets"]
     rules = _roles(off)["nodeagent"]["rules"]
-    assert all("nodes" not in r["resources"] for r in rules)
+    # Only its own Node's cache labels remain (get, patch): no site Nodes to list or watch.
+    assert [r["verbs"] for r in rules if "nodes" in r["resources"]] == [["get", "patch"]]
     policies = {p["metadata"]["name"] for p in by_kind(off, "ValidatingAdmissionPolicy")}
-    assert policies == {"ember-runtime-own-pod", "ember-nodeagent-own-node"}
+    assert policies == {
+        "ember-runtime-own-pod",
+        "ember-nodeagent-own-node",
+        "ember-nodeagent-own-metadata",
+    }

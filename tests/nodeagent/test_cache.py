@@ -4,18 +4,26 @@ Secret's data. No cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from ember_runtime import reasons
+from ember_runtime.config import cache_label
+from ember_runtime.nodeagent import labels as labels_module
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, _locked_partial
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
+from ember_runtime.nodeagent.labels import CacheLabels, label_patch
+from ember_runtime.nodeagent.site import short
+from ember_runtime.thermal.kube import ApiError
 
 from tests.nodeagent.origin import serve
 
@@ -203,3 +211,59 @@ def test_interrupted_before_any_byte_leaves_no_partial(
     with serve({"m.gguf": DATA}) as (base, _), pytest.raises(InterruptedError):
         cache.fetch(client, Want(f"{base}/m.gguf", SHA, SIZE), stop=stop)
     assert _entries(cache) == []
+
+
+def test_cache_label_patch_sets_new_digests_and_deletes_gone_ones(tmp_path: Path) -> None:
+    """The agent's Node labels follow the cache: a complete file gets its label, a partial or
+    a stray name none, and a label whose file is gone is deleted (null in the merge patch)."""
+    cache = ContentCache(tmp_path)
+    cache.blobs.mkdir(parents=True)
+    held, gone = "ab" * 32, "cd" * 32
+    cache.path(held).write_bytes(b"x")
+    cache.partial("ef" * 32).write_bytes(b"half")
+    (cache.blobs / "stray").write_bytes(b"?")
+    labels = CacheLabels(cache, api=None, node="n")  # type: ignore[arg-type] # no API call here
+    desired = labels.desired()
+    assert desired == {f"cache.ember.dev/{held[:16]}": "true"}
+    assert cache_label(held) == f"cache.ember.dev/{short(held)}"  # the annotations' digest
+    current = {f"cache.ember.dev/{gone[:16]}": "true", f"cache.ember.dev/{held[:16]}": "true"}
+    assert label_patch(current, desired) == {f"cache.ember.dev/{gone[:16]}": None}
+    assert label_patch({}, desired) == desired
+    assert label_patch(desired, desired) == {}  # nothing changed: no write
+
+
+class _RefusingApi:
+    """A Node API that answers every label write with `status`."""
+
+    def __init__(self, status: int) -> None:
+        self.status, self.sends = status, 0
+
+    async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
+        return {"metadata": {"labels": {}}}
+
+    async def send(
+        self, method: str, path: str, body: dict[str, Any], content_type: str = ""
+    ) -> dict[str, Any]:
+        self.sends += 1
+        raise ApiError(self.status, "no")
+
+
+@pytest.mark.parametrize(("status", "at_least", "at_most"), [(403, 1, 1), (500, 5, 1000)])
+def test_a_refused_label_write_waits_for_the_resync_a_transient_one_retries_soon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: int, at_least: int, at_most: int
+) -> None:
+    """A 403 (RBAC, or the own-node policy) is an answer, not an outage: retrying it every few
+    seconds would be two requests per node forever. A 500 is retried at the short pace."""
+    monkeypatch.setattr(labels_module, "RETRY_SECONDS", 0.01)
+    cache = ContentCache(tmp_path)
+    cache.blobs.mkdir(parents=True)
+    cache.path("ab" * 32).write_bytes(b"x")
+    api = _RefusingApi(status)
+    labels = CacheLabels(cache, api=api, node="n", resync_seconds=60)  # type: ignore[arg-type]
+
+    async def run_briefly() -> None:
+        with suppress(TimeoutError):
+            await asyncio.wait_for(labels.run(), 0.5)
+
+    asyncio.run(run_briefly())
+    assert at_least <= api.sends <= at_most, api.sends

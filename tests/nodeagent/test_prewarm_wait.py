@@ -19,6 +19,7 @@ from ember_runtime import reasons
 from ember_runtime.config import MODEL_FETCH_ANNOTATION, ModelFile, RuntimeConfig
 from ember_runtime.nodeagent.cache import ContentCache, FetchError
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
+from ember_runtime.prewarm import cachewait
 from ember_runtime.prewarm.cachewait import wait_for_cache
 from ember_runtime.prewarm.errors import PrewarmError
 from ember_runtime.thermal.kube import Endpoint
@@ -65,14 +66,75 @@ def test_recorded_checksum_mismatch_is_prewarms_reason(tmp_path: Path) -> None:
     assert str(info.value) == "m.gguf: h/m.gguf expected a… got b…"
 
 
-def test_gives_up_with_model_downloading(tmp_path: Path) -> None:
+def test_gives_up_with_model_downloading_node_bytes_and_no_eta(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No byte arrived during the wait: the message says so instead of inventing an ETA. The
+    node's name comes from the env the operator renders (the downward API's spec.nodeName)."""
+    monkeypatch.setenv(cachewait.NODE_ENV, "node-a")
     cache = ContentCache(tmp_path)
     cache.blobs.mkdir(parents=True)
     cache.partial(SHA).write_bytes(DATA[:1000])
     with pytest.raises(PrewarmError) as info:
         wait_for_cache(_config(tmp_path, wait=0.3), io.StringIO(), threading.Event(), 0.05)
     assert info.value.reason == reasons.MODEL_DOWNLOADING
-    assert str(info.value).startswith("1000 of 300000 bytes in the node cache")
+    assert (
+        str(info.value)
+        == "node-a: 1.0 of 300.0 kB in the node cache, ETA unknown (no progress in 0s)"
+    )
+
+
+def test_eta_comes_from_the_bytes_seen_growing_during_the_wait(tmp_path: Path) -> None:
+    """The agent's partial grows while prewarm waits (100 kB in ~0.4 s): the message has a
+    rate and a finite ETA, and is one line the operator can show per node."""
+    cache = ContentCache(tmp_path)
+    cache.blobs.mkdir(parents=True)
+    cache.partial(SHA).write_bytes(DATA[:100_000])
+    grow = threading.Timer(0.2, lambda: cache.partial(SHA).write_bytes(DATA[:200_000]))
+    grow.start()
+    with pytest.raises(PrewarmError) as info:
+        wait_for_cache(_config(tmp_path, wait=0.6), io.StringIO(), threading.Event(), 0.05, "n-1")
+    grow.join()
+    text = str(info.value)
+    assert text.startswith("n-1: 200.0 of 300.0 kB in the node cache, ETA "), text
+    assert "ETA unknown" not in text and "B/s over " in text, text
+
+
+@pytest.mark.parametrize(
+    ("done", "elapsed", "expected"),
+    [
+        (1_000_000_000, 10.0, "1.0 of 3.4 GB in the node cache, ETA 24s (100.0 MB/s over 10s)"),
+        (1_200_000_000, 100.0, "1.2 of 3.4 GB in the node cache, ETA 3m03s (12.0 MB/s over 1m40s)"),
+        (3_000_000, 60.0, "0.0 of 3.4 GB in the node cache, ETA 18h52m (50.0 kB/s over 1m00s)"),
+        (0, 60.0, "0.0 of 3.4 GB in the node cache, ETA unknown (no progress in 1m00s)"),
+    ],
+)
+def test_progress_message(done: int, elapsed: float, expected: str) -> None:
+    first, last = cachewait.Observation(5.0, 0), cachewait.Observation(5.0 + elapsed, done)
+    assert cachewait.progress_message("a", first, last, 3_400_000_000) == f"a: {expected}"
+
+
+def test_the_first_wait_of_a_pod_is_short_then_model_wait_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh pod reports ModelDownloading after FIRST_REPORT_SECONDS; its restarts (the
+    marker in its prewarm volume survives them) wait model_wait_seconds; once the files are
+    in, the marker goes."""
+    monkeypatch.setattr(cachewait, "FIRST_REPORT_SECONDS", 0.2)
+    cache = ContentCache(tmp_path / "cache")
+    cache.blobs.mkdir(parents=True)
+    shm = tmp_path / "shm"
+    config = _config(cache.root, wait=3600).model_copy(update={"prewarm_dir": str(shm)})
+    with pytest.raises(PrewarmError) as info:
+        wait_for_cache(config, io.StringIO(), threading.Event(), 0.05, "n")
+    assert info.value.reason == reasons.MODEL_DOWNLOADING
+    assert (shm / cachewait.WAIT_MARKER).exists()
+    assert cachewait.wait_seconds(config) == 3600  # the restart waits the long wait
+    cache.path(SHA).write_bytes(DATA)
+    out = io.StringIO()
+    wait_for_cache(config, out, threading.Event(), 0.05, "n")
+    assert not (shm / cachewait.WAIT_MARKER).exists()
+    assert "all files are in the node cache" in out.getvalue()
 
 
 def _pod(uid: str, base: str, sha: str) -> dict[str, Any]:

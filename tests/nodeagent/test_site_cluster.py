@@ -1,8 +1,10 @@
 """One origin download per site, on the real API server: three node agents of one site
 (processes, each with a token bound to a pod on its own Node) fetch one file; the test origin
 counts the bytes it sends. The chart's policies hold: an agent's token writes only its own
-Node's peer annotations and Leases in its own name. A wrong sha256 is downloaded once for the
-whole site and lands nothing in any cache: every agent records ChecksumMismatch."""
+Node's peer annotations, its cache labels and Leases in its own name. A wrong sha256 is
+downloaded once for the whole site and lands nothing in any cache: every agent records
+ChecksumMismatch. Each agent labels its Node with what its cache holds (the scheduler's
+preference), and takes the label off when the file is gone."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from ember_runtime.config import cache_label
 from ember_runtime.nodeagent.site import CACHE_ANNOTATION, PEER_ANNOTATION, lease_name, short
 
 from tests.conftest import Kube
@@ -72,6 +75,12 @@ def test_three_agents_one_origin_download(world: SiteWorld, kube: Kube) -> None:
         "the cache annotations",
     )
     assert all(_annotations(kube, n)[PEER_ANNOTATION].startswith("127.0.0.1:") for n in world.nodes)
+    # ... and labels its Node for the scheduler (operator: a preferred nodeAffinity term).
+    world.wait(
+        lambda: all(_labels(kube, n).get(cache_label(SHA)) == "true" for n in world.nodes),
+        30,
+        "the cache labels",
+    )
     origin_logs = [a.node for a in world.agents if "from the origin" in a.log.read_text()]
     assert origin_logs == [holder], world.logs()
     assert world.stop_agents() == [0, 0, 0]  # SIGTERM stops each cleanly
@@ -145,6 +154,38 @@ def _annotations(kube: Kube, node: str) -> dict[str, str]:
     return dict(body.metadata.annotations or {})
 
 
+def _labels(kube: Kube, node: str) -> dict[str, str]:
+    body: Any = kube.core.read_node(node)
+    return dict(body.metadata.labels or {})
+
+
+def test_cache_labels_follow_the_cache(world: SiteWorld, kube: Kube) -> None:
+    """Without site sharing too (the labels are not a site feature): each agent labels its own
+    Node once the file is in; a label for a file its cache no longer holds — one left from
+    before the agent started, and one whose file is deleted while it runs — is taken off; no
+    other label of the Node is touched."""
+    stale = cache_label("f" * 64)
+    first = world.nodes[0]
+    kube.core.patch_node(first, {"metadata": {"labels": {stale: "true"}}})
+    with serve({"m.gguf": DATA}) as (base, _):
+        world.want([{"url": f"{base}/m.gguf", "sha256": SHA, "sizeBytes": SIZE}])
+        world.start(
+            str(kube.api.configuration.host), sharing=False, extra=["--label_resync_seconds=1"]
+        )
+        world.wait(
+            lambda: all(_labels(kube, n).get(cache_label(SHA)) == "true" for n in world.nodes),
+            60,
+            "every node's cache label",
+        )
+    assert stale not in _labels(kube, first), world.logs()
+    (agent,) = [a for a in world.agents if a.node == first]
+    agent.cache.path(SHA).unlink()  # gone from the node (a disk cleanup, say)
+    world.wait(lambda: cache_label(SHA) not in _labels(kube, first), 30, "the label to go")
+    others = [n for n in world.nodes if n != first]
+    assert all(_labels(kube, n).get(cache_label(SHA)) == "true" for n in others)
+    assert _labels(kube, first)["ember.dev/site"] == world.site
+
+
 def test_wrong_sha256_is_fetched_once_and_lands_nowhere(world: SiteWorld, kube: Kube) -> None:
     wrong = hashlib.sha256(b"not these bytes").hexdigest()
     with serve({"m.gguf": DATA}) as (base, origin):
@@ -203,12 +244,22 @@ def test_agent_writes_only_its_own_annotations_and_leases(world: SiteWorld, kube
         assert annotate(own, PEER_ANNOTATION).status_code == 200
         refused = annotate(other, PEER_ANNOTATION)
         assert refused.status_code == 403 and "own node" in refused.text
-        label = http.patch(
-            f"/api/v1/nodes/{own}",
-            content=json.dumps({"metadata": {"labels": {"ember.dev/site": "elsewhere"}}}),
-            headers=MERGE,
-        )
-        assert label.status_code == 403 and "ember.dev/peer" in label.text
+
+        def label(node: str, labels: dict[str, str | None]) -> httpx.Response:
+            body = json.dumps({"metadata": {"labels": labels}})
+            return http.patch(f"/api/v1/nodes/{node}", content=body, headers=MERGE)
+
+        site = label(own, {"ember.dev/site": "elsewhere"})
+        assert site.status_code == 403 and "cache.ember.dev/ labels" in site.text
+        mine = cache_label(SHA)
+        assert label(own, {mine: "true"}).status_code == 200
+        assert label(own, {mine: "yes"}).status_code == 403  # only "true"
+        assert label(own, {"cache.ember.dev/not-a-digest": "true"}).status_code == 403
+        assert label(own, {"cache.ember.dev/" + "A" * 16: "true"}).status_code == 403
+        assert label(own, {"other.example/" + SHA[:16]: "true"}).status_code == 403
+        foreign = label(other, {mine: "true"})
+        assert foreign.status_code == 403 and "own node" in foreign.text
+        assert label(own, {mine: None}).status_code == 200  # and may take it off again
         taint = http.patch(
             f"/api/v1/nodes/{own}",
             content=json.dumps({"spec": {"unschedulable": True}}),

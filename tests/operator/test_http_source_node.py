@@ -9,10 +9,12 @@ built from this tree) waits for it, verifies and copies. A wrong sha256 becomes
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,8 @@ pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]
 CACHE = Path("/var/lib/ember/cache")  # the operator's default node_cache_root, on this node
 WRONG = "0" * 64
 ROOT = Path(__file__).resolve().parents[2]
+EMBER_PODS = "app.kubernetes.io/managed-by=ember-operator"
+SLOW_RATE = 2_000_000  # bytes/s: the packaged model (~253 MB) takes ~2 minutes
 
 
 def _forget(sha: str) -> None:
@@ -52,6 +56,23 @@ def origin(gemma_gguf: Path) -> Iterator[tuple[str, OriginState]]:
 @pytest.fixture
 def agent(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """The node agent as a process on the node, with the chart's RBAC in `namespace` (its own)."""
+    with _running_agent(kube, namespace, tmp_path) as proc:
+        yield proc
+
+
+@pytest.fixture
+def slow_agent(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """The agent pacing origin downloads at SLOW_RATE (its maxBandwidth)."""
+    with _running_agent(
+        kube, namespace, tmp_path, [f"--origin_max_bytes_per_second={SLOW_RATE}"]
+    ) as proc:
+        yield proc
+
+
+@contextmanager
+def _running_agent(
+    kube: Kube, namespace: str, tmp_path: Path, extra: Sequence[str] = ()
+) -> Iterator[subprocess.Popen[str]]:
     objects = [
         o for o in chart_objects("nodeagent.yaml", namespace=namespace) if o["kind"] != "DaemonSet"
     ]
@@ -77,6 +98,7 @@ def agent(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[subprocess.Pop
         f"--namespace={namespace}",
         f"--sysfs_root={tmp_path / 'sys'}",
         "--interval_seconds=60",
+        *extra,
     ]
     log_path = tmp_path / "agent.log"
     with log_path.open("w") as log:
@@ -107,13 +129,41 @@ World = tuple[str, str, OriginState]  # runtime image, origin URL, origin state
 
 
 @pytest.fixture
+def quiet_node(kube: Kube, namespace: str) -> None:
+    """Wait for earlier tests' Ember pods (their namespaces still terminating) to leave the
+    node: the agent serves every pod on its node, and a leftover one would start a download or
+    take the node's CPU and memory from this test's replica."""
+
+    def others() -> list[str]:
+        query = [("labelSelector", EMBER_PODS), ("fieldSelector", f"spec.nodeName={NODE_NAME}")]
+        pods = rest.request(kube.api, "GET", "/api/v1/pods", query=query).get("items") or []
+        names = [(p["metadata"]["namespace"], p["metadata"]["name"]) for p in pods]
+        return [f"{ns}/{name}" for ns, name in names if ns != namespace]
+
+    wait_for("earlier tests' pods to leave the node", lambda: not others() or None, timeout=180)
+
+
+@pytest.fixture
 def world(
+    quiet_node: None,
     operator: Any,
     runtime_image: str,  # noqa: F811 - the imported fixture
     origin: tuple[str, OriginState],
     agent: subprocess.Popen[str],
 ) -> World:
     """The operator, the runtime image on the node, the origin and the node agent, all running."""
+    return runtime_image, *origin
+
+
+@pytest.fixture
+def slow_world(
+    quiet_node: None,
+    operator: Any,
+    runtime_image: str,  # noqa: F811 - the imported fixture
+    origin: tuple[str, OriginState],
+    slow_agent: subprocess.Popen[str],
+) -> World:
+    """As `world`, with the agent pacing the origin at SLOW_RATE."""
     return runtime_image, *origin
 
 
@@ -130,6 +180,13 @@ def _infd(image: str, name: str, url: str, sha: str, size: int) -> dict[str, Any
         prewarm={"enabled": True, "sharedMemoryLimit": "512Mi"},
         resources=RESOURCES,
     )
+
+
+def _explain(kube: Kube, namespace: str, degraded: Mapping[str, Any]) -> str:
+    """What a timed-out wait prints: the condition, the pods' container states, the events."""
+    pods = kube.kubectl("get", "pods", "-n", namespace, "-o", "yaml")
+    events = kube.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp")
+    return f"Degraded: {degraded}\n--- pods ---\n{pods}\n--- events ---\n{events}"
 
 
 def _prewarm_state(kube: Kube, namespace: str) -> dict[str, Any] | None:
@@ -184,4 +241,56 @@ def test_wrong_sha256_shows_checksum_mismatch_and_caches_nothing(
         # The agent watches every pod on the node: an earlier test's pod, still terminating,
         # may have had it start on that model too.
         _forget(WRONG)
+        _forget(MODEL_SHA256)
+
+
+def test_a_slow_download_shows_the_nodes_bytes_and_eta_then_serves(
+    kube: Kube, namespace: str, gemma_gguf: Path, slow_world: World, operator: Any
+) -> None:
+    """The whole progress path on the real node: the agent downloads at 2 MB/s; the real
+    prewarm container waits its first minute, exits ModelDownloading with this node's bytes
+    and an ETA from the growth it saw; the operator shows it as STATUS and in `describe`; the
+    kubelet restarts prewarm, which finds the file, and the replica stops being Degraded."""
+    image, base, state = slow_world
+    _forget(MODEL_SHA256)
+    size = gemma_gguf.stat().st_size
+    url = f"{base}/{MODEL_FILENAME}"
+    try:
+        rest.create(kube.api, "infd", namespace, _infd(image, "slow", url, MODEL_SHA256, size))
+
+        def degraded() -> dict[str, Any]:
+            obj = rest.get(kube.api, "infd", namespace, "slow") or {}
+            conds = (obj.get("status") or {}).get("conditions") or []
+            return next((c for c in conds if c["type"] == "Degraded"), {})
+
+        cond = wait_for(
+            "ModelDownloading",
+            lambda: (c := degraded()).get("reason") == "ModelDownloading" and c,
+            timeout=300,
+            interval=2,
+        )
+        message = cond["message"]
+        assert message.startswith(f"1 node waits for the model: {NODE_NAME}: "), message
+        assert f" of {size / 1e6:.1f} MB in the node cache, ETA " in message, message
+        # The first wait is one minute; prewarm looks once a second, so it reports 60-61 s.
+        assert "ETA unknown" not in message, message
+        assert re.search(r" MB/s over 1m0[01]s\)", message), message
+        cols = table_columns(kube.kubectl("get", "infd", "slow", "-n", namespace))
+        assert cols["STATUS"] == "ModelDownloading"
+        described = kube.kubectl("describe", "infd", "slow", "-n", namespace)
+        assert f"{NODE_NAME}: " in described and "ETA" in described, described
+        # The download finishes; the restarted prewarm copies and exits 0, and the old
+        # ModelDownloading exit in its lastState no longer makes the replica Degraded.
+        try:
+            wait_for(
+                "Degraded to clear",
+                lambda: degraded().get("status") == "False",
+                timeout=600,
+                interval=2,
+            )
+        except AssertionError:
+            print(_explain(kube, namespace, degraded()), "--- operator ---", operator.output)
+            raise
+        assert state.bytes_sent == size  # one download, nothing fetched twice
+    finally:
         _forget(MODEL_SHA256)

@@ -10,11 +10,15 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ember_runtime import reasons
+from ember_runtime.config import cache_label
+from ember_runtime.prewarm import cachewait
 from ember_runtime.prewarm.errors import ChecksumMismatch
 
 from tests.operator import rest
@@ -411,3 +415,130 @@ def test_init_container_failure_degrades_with_an_event(
     # The Event is posted only when Degraded turns True with a new reason, and carries its
     # message ("pod <name>: ..."), so it proves the condition was set from this pod.
     assert pod["metadata"]["name"] in event["message"]
+
+
+def _report_prewarm(kube: Any, namespace: str, pod: str, message: str | None) -> None:
+    """Set the pod's prewarm status as the kubelet would (see `_init_status`)."""
+    rest.request(
+        kube.api,
+        "PATCH",
+        f"{rest.path('pods', namespace, pod)}/status",
+        body={"status": {"initContainerStatuses": [_init_status(message)]}},
+        content_type="application/strategic-merge-patch+json",
+    )
+
+
+def _init_status(message: str | None) -> dict[str, Any]:
+    """prewarm as the kubelet reports it: back-off after a ModelDownloading exit, or (None)
+    completed after one (its lastState keeps the old exit)."""
+    line = reasons.termination_message(reasons.MODEL_DOWNLOADING, message or "n: 1 of 2 GB")
+    state = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+    if message is not None:
+        state = {"waiting": {"reason": "CrashLoopBackOff"}}
+    return {
+        "name": "prewarm",
+        "image": "x",
+        "imageID": "",
+        "ready": message is None,
+        "restartCount": 1,
+        "state": state,
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": line}},
+    }
+
+
+def test_http_source_prefers_cached_nodes_and_shows_each_nodes_download(
+    kube: Any, namespace: str, operator: Any, nodes: list[str]
+) -> None:
+    """An http-sourced object on the kwok fleet: the real Deployment carries a preferred
+    nodeAffinity term for the cache label, and the real scheduler puts the replica on the one
+    node labelled as holding the model (as its agent would label it; the agent's own writes are
+    tests/nodeagent/test_site_cluster.py's). Then both replicas' prewarms report
+    ModelDownloading (the line prewarm itself writes, set on the pod status as the kubelet
+    would): Degraded lists each node with its bytes and ETA, `kubectl get infd` shows
+    ModelDownloading, and an Event goes out per new report, not per refresh."""
+    sha = uuid.uuid4().hex * 2  # this test's own digest: its label is on no other node
+    holder = nodes[4]
+    label = cache_label(sha)
+    body = fleet_manifest("dl", SITES, replicas=1)
+    body["spec"]["model"]["files"][0]["sha256"] = sha
+    body["spec"]["model"]["source"] = {"http": {"urls": {"gemma.gguf": "https://m.example/g"}}}
+    rest.request(
+        kube.api,
+        "PATCH",
+        f"/api/v1/nodes/{holder}",
+        body={"metadata": {"labels": {label: "true"}}},
+        content_type="application/merge-patch+json",
+    )
+    try:
+        rest.create(kube.api, "infd", namespace, body)
+        wait_for("ready", lambda: _ready(kube, namespace, "dl"), timeout=180)
+        dep = _deployment(kube, namespace, "dl")
+        assert dep is not None
+        preferred = _pod_template(dep)["spec"]["affinity"]["nodeAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+        expression = {"key": label, "operator": "In", "values": ["true"]}
+        assert preferred == [{"weight": 100, "preference": {"matchExpressions": [expression]}}]
+        (pod,) = rest.items(kube.api, "pods", namespace, label_selector="ember.dev/instance=dl")
+        assert pod["spec"]["nodeName"] == holder
+    finally:
+        rest.request(
+            kube.api,
+            "PATCH",
+            f"/api/v1/nodes/{holder}",
+            body={"metadata": {"labels": {label: None}}},
+            content_type="application/merge-patch+json",
+        )
+    kube.kubectl("-n", namespace, "scale", "infd/dl", "--replicas=2")
+    wait_for("ready at 2", lambda: _ready(kube, namespace, "dl"), timeout=180)
+    pods = rest.items(kube.api, "pods", namespace, label_selector="ember.dev/instance=dl")
+    reports = {}
+    for i, p in enumerate(sorted(pods, key=lambda p: p["spec"]["nodeName"])):
+        node = p["spec"]["nodeName"]
+        done = (i + 1) * 600_000_000
+        detail = cachewait.progress_message(
+            node,
+            cachewait.Observation(0.0, 0),
+            cachewait.Observation(60.0, done),
+            3_400_000_000,
+        )
+        reports[p["metadata"]["name"]] = detail
+        _report_prewarm(kube, namespace, p["metadata"]["name"], detail)
+    both = "2 nodes wait for the model: " + "; ".join(sorted(reports.values()))
+    assert "0.6 of 3.4 GB in the node cache, ETA 4m40s" in both
+    wait_for(
+        "both nodes listed",
+        lambda: _condition(_infd(kube, namespace, "dl"), "Degraded").get("message") == both,
+        timeout=30,
+    )
+    obj = _infd(kube, namespace, "dl")
+    assert obj["status"]["reason"] == "ModelDownloading"
+    row = kube.kubectl("-n", namespace, "get", "infd", "dl").splitlines()[1]
+    assert row.split()[5] == "ModelDownloading"
+
+    def downloading() -> list[dict[str, Any]]:
+        events = rest.items(kube.api, "events", namespace, field_selector="involvedObject.name=dl")
+        return [e for e in events if e["reason"] == "ModelDownloading"]
+
+    wait_for(
+        "the first report's Event",
+        lambda: [e for e in downloading() if e["message"] == both],
+        timeout=30,
+    )
+    # (The two patches may reach the operator apart: then "1 node waits" came first.)
+    before = len(downloading())
+    # One node's prewarm completes: the message (and one more Event) names only the other.
+    first = min(reports, key=lambda name: reports[name])
+    _report_prewarm(kube, namespace, first, None)
+    (rest_node,) = [d for name, d in reports.items() if name != first]
+    one = f"1 node waits for the model: {rest_node}"
+    wait_for(
+        "one node left",
+        lambda: _condition(_infd(kube, namespace, "dl"), "Degraded").get("message") == one,
+        timeout=30,
+    )
+    wait_for("the next Event", lambda: len(downloading()) > before, timeout=30)
+    time.sleep(3)  # refreshes in the meantime (pod events, resyncs) post nothing more
+    events = downloading()
+    assert len(events) == before + 1, [e["message"] for e in events]
+    assert one in {e["message"] for e in events}

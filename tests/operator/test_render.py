@@ -324,3 +324,33 @@ def test_hostpath_source_has_no_fetch_annotation_and_keeps_its_hash() -> None:
         "modelLayout"
         not in RuntimeConfig.model_validate(yaml.safe_load(config_yaml)).restart_relevant_yaml()
     )
+
+
+def test_http_source_prefers_nodes_that_hold_the_model() -> None:
+    """A preferred (never required) term per file for the agent's cache label, beside the
+    required sites; a hostPath source has none, so existing objects do not roll."""
+    two = [
+        {"path": "a.gguf", "sha256": "ab" * 32, "sizeBytes": 10},
+        {"path": "b.gguf", "sha256": "cd" * 32, "sizeBytes": 20},
+    ]
+    urls = {"a.gguf": "https://m.example/a", "b.gguf": "https://m.example/b"}
+    model = {**manifest()["spec"]["model"], "files": two, "source": {"http": {"urls": urls}}}
+    pod = _pod(_render(model=model, placement={"sites": ["s1"]}))
+    node_affinity = pod["affinity"]["nodeAffinity"]
+    required = node_affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert required["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["s1"]
+    assert node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] == [
+        {
+            "weight": 50,
+            "preference": {
+                "matchExpressions": [
+                    {"key": f"cache.ember.dev/{sha[:16]}", "operator": "In", "values": ["true"]}
+                ]
+            },
+        }
+        for sha in ("ab" * 32, "cd" * 32)
+    ]
+    one = _pod(_render(model=_http_model()))["affinity"]["nodeAffinity"]
+    assert list(one) == ["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert one["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"] == 100
+    assert "affinity" not in _pod(_render())

@@ -6,7 +6,7 @@ from typing import Any
 
 from ember_operator import status
 from ember_operator.render import Problem
-from ember_operator.status_writer import PodEvents
+from ember_operator.status_writer import PodEvents, worth_an_event
 from ember_runtime import reasons
 from ember_runtime.prewarm.errors import ChecksumMismatch
 
@@ -387,3 +387,83 @@ def test_a_replica_without_a_sensor_says_why_in_throttled() -> None:
     st = status.compute_status(_obs(pods=pods, thermal=thermal), {}, NOW)
     throttled = next(c for c in st["conditions"] if c["type"] == "Throttled")
     assert throttled["reason"] == "SensorUnavailable" and why in throttled["message"]
+
+
+def _waiting_pod(pod: str, node: str, message: str, state: str = "running") -> dict[str, Any]:
+    """A replica whose prewarm exited with ModelDownloading and now runs (or waits) again."""
+    line = reasons.termination_message(reasons.MODEL_DOWNLOADING, message)
+    current: dict[str, Any] = {"running": {}} if state == "running" else {}
+    if state == "completed":
+        current = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+    body = {
+        "metadata": {"name": pod},
+        "spec": {"nodeName": node},
+        "status": {
+            "phase": "Running" if state == "completed" else "Pending",
+            "initContainerStatuses": [
+                {
+                    "name": "prewarm",
+                    "state": current,
+                    "lastState": {"terminated": {"exitCode": 1, "message": line + "\n"}},
+                }
+            ],
+        },
+    }
+    return status.pod_summary(body)
+
+
+def test_model_downloading_lists_every_waiting_node_once() -> None:
+    """Two nodes wait (two pods on node-b share its cache and say the same): one Degraded
+    condition, reason ModelDownloading (the STATUS column), one entry per node, sorted."""
+    pods = [
+        _waiting_pod("p-3", "node-b", "node-b: 0.4 of 3.4 GB in the node cache, ETA unknown"),
+        _waiting_pod("p-1", "node-a", "node-a: 1.2 of 3.4 GB in the node cache, ETA 2m10s"),
+        _waiting_pod("p-2", "node-b", "node-b: 0.5 of 3.4 GB in the node cache, ETA 9m00s"),
+    ]
+    st = status.compute_status(_obs(deployment=_dep(3, 0), pods=pods), {}, NOW)
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert st["reason"] == "ModelDownloading"
+    assert degraded["message"] == (
+        "2 nodes wait for the model: node-a: 1.2 of 3.4 GB in the node cache, ETA 2m10s; "
+        "node-b: 0.5 of 3.4 GB in the node cache, ETA 9m00s"
+    )
+
+
+def test_an_older_prewarms_message_gets_its_node_and_a_real_failure_wins() -> None:
+    waiting = _waiting_pod("p-1", "node-a", "1000 of 3000 bytes in the node cache after 1800s")
+    assert status.downloading_message([waiting]) == (
+        "1 node waits for the model: node-a: 1000 of 3000 bytes in the node cache after 1800s"
+    )
+    broken = _pod(
+        {"containerStatuses": [{"name": "runtime", "state": {"waiting": {"reason": "X"}}}]}
+    )
+    degraded = _degraded_of([waiting, status.pod_summary(broken)])
+    assert degraded["reason"] == "X"
+
+
+def _degraded_of(pods: list[dict[str, Any]]) -> dict[str, Any]:
+    st = status.compute_status(_obs(deployment=_dep(3, 0), pods=pods), {}, NOW)
+    return next(c for c in st["conditions"] if c["type"] == "Degraded")
+
+
+def test_a_prewarm_that_completed_after_waiting_is_no_failure() -> None:
+    """lastState keeps the ModelDownloading exit for the pod's life; a completed prewarm
+    clears it (else a ready replica would stay Degraded for ever)."""
+    done = _waiting_pod("p-1", "node-a", "node-a: 1 of 2 GB", state="completed")
+    assert done["failure"] is None
+    waiting = _waiting_pod("p-1", "node-a", "node-a: 1 of 2 GB", state="backoff")
+    assert waiting["failure"]["reason"] == "ModelDownloading"
+
+
+def test_one_event_per_new_progress_report_not_per_refresh() -> None:
+    def cond(reason: str, message: str, ok: str = "True") -> dict[str, Any]:
+        return {"type": "Degraded", "status": ok, "reason": reason, "message": message}
+
+    first = cond("ModelDownloading", "1 node waits for the model: a: 1 of 3 GB, ETA 1m")
+    assert worth_an_event(first, [cond("AsExpected", "", "False")])
+    assert not worth_an_event(first, [first])  # a refresh with the same report
+    newer = cond("ModelDownloading", "1 node waits for the model: a: 2 of 3 GB, ETA 30s")
+    assert worth_an_event(newer, [first])  # a new report from a prewarm exit
+    other = cond("ChecksumMismatch", "pod p: x")
+    assert not worth_an_event(cond("ChecksumMismatch", "pod q: y"), [other])  # reason only
+    assert not worth_an_event(cond("AsExpected", "", "False"), [first])

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ember_runtime.promserve import ServedRegistry
 
 from .health import DeviceState
 
 
-class PluginMetrics:
+class PluginMetrics(ServedRegistry):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        super().__init__(registry)
         self.devices = Gauge(
             "ember_npu_devices", "NPUs by health.", ["health"], registry=self.registry
         )
@@ -43,7 +44,6 @@ class PluginMetrics:
         self.released = Counter(
             "ember_npu_contexts_released", "Context IDs released.", registry=self.registry
         )
-        self._server: Any = None
 
     def observe_devices(
         self, states: Iterable[DeviceState], used: Mapping[str, int], per_device: int
@@ -59,15 +59,3 @@ class PluginMetrics:
             self.contexts.labels(state.device.name, "free").set(max(per_device - n, 0))
         self.devices.labels("healthy").set(healthy)
         self.devices.labels("unhealthy").set(unhealthy)
-
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on a background thread; return the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        return int(server.server_port)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None

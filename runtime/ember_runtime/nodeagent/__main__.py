@@ -23,6 +23,8 @@ from ember_runtime.config import SensorSettings, ThermalPolicy, ThermalReading
 from ember_runtime.nodeagent import windows
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
+from ember_runtime.nodeagent.labels import CacheLabels
+from ember_runtime.nodeagent.metrics import AgentMetrics
 from ember_runtime.nodeagent.peerauth import PeerKey
 from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.ratelimit import TokenBucket
@@ -91,6 +93,20 @@ class AgentSettings(BaseSettings):
         "time, so this is the site's WAN share too). None: unlimited.",
     )
 
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus /metrics here (0: any free port); None: no endpoint.",
+    )
+    metrics_bind: str = "0.0.0.0"  # noqa: S104 - scraped from outside the node
+    label_resync_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="Compare the cache with the Node's cache.ember.dev/ labels this often "
+        "(a change the agent makes itself is labelled at once).",
+    )
+
     @field_validator("origin_windows")
     @classmethod
     def _windows(cls, value: list[str]) -> list[str]:
@@ -151,14 +167,22 @@ async def run(settings: AgentSettings) -> None:
         asyncio.create_task(reporter.run()),
     ]
     log.info("reporting %s's temperature", settings.node_name)
+    metrics = AgentMetrics()
+    if settings.metrics_port is not None:
+        port = metrics.serve(settings.metrics_bind, settings.metrics_port)
+        log.info("serving metrics on %s:%d", settings.metrics_bind, port)
     reader = KubeReader(settings.endpoint()) if settings.cache_root is not None else None
     server: PeerServer | None = None
     if settings.cache_root is not None and reader is not None:
         cache = ContentCache(settings.cache_root)
         site = None
         if settings.peer_key_file is not None:
-            server, site = start_site_sharing(settings, cache, reader)
+            server, site = start_site_sharing(settings, cache, reader, metrics)
             tasks.append(asyncio.create_task(site.run()))
+        labels = CacheLabels(
+            cache, reader, settings.node_name, resync_seconds=settings.label_resync_seconds
+        )
+        tasks.append(asyncio.create_task(labels.run()))
         limiter = None
         if settings.origin_max_bytes_per_second is not None:
             limiter = TokenBucket(settings.origin_max_bytes_per_second)
@@ -171,6 +195,8 @@ async def run(settings: AgentSettings) -> None:
             site=site,
             limiter=limiter,
             windows=Windows(settings.origin_windows) if settings.origin_windows else None,
+            metrics=metrics,
+            labels=labels,
         )
         tasks.append(asyncio.create_task(fetcher.run()))
         log.info("keeping models for %s's pods in %s", settings.node_name, settings.cache_root)
@@ -186,17 +212,23 @@ async def run(settings: AgentSettings) -> None:
         await patcher.aclose()
         if reader is not None:
             await reader.aclose()
+        metrics.close()
 
 
 def start_site_sharing(
-    settings: AgentSettings, cache: ContentCache, reader: KubeReader
+    settings: AgentSettings, cache: ContentCache, reader: KubeReader, metrics: AgentMetrics
 ) -> tuple[PeerServer, SiteSharing]:
     """The peer port (serving from now on) and the site coordination that uses it."""
     assert settings.peer_key_file is not None
     key = PeerKey(settings.peer_key_file)
     key.get()  # a missing or short key fails at start, not at the first peer request
     server = PeerServer(
-        cache, key, settings.peer_bind, settings.peer_port, settings.peer_max_skew_seconds
+        cache,
+        key,
+        settings.peer_bind,
+        settings.peer_port,
+        settings.peer_max_skew_seconds,
+        metrics=metrics,
     )
     server.start()
     cfg = SiteConfig(
@@ -210,7 +242,10 @@ def start_site_sharing(
     # Peers are on the LAN: a short connect timeout moves on to the next one quickly.
     http = httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0))
     log.info("serving cached files to site peers on %s:%d", settings.peer_bind, server.port)
-    return server, SiteSharing(cache, reader, cfg, key=key, http=http, stop=threading.Event())
+    site = SiteSharing(
+        cache, reader, cfg, key=key, http=http, stop=threading.Event(), metrics=metrics
+    )
+    return server, site
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,6 +43,7 @@ HEX = frozenset("0123456789abcdef")
 RESUMABLE = (httpx.TransportError, httpx.RemoteProtocolError)
 
 Progress = Callable[[int], None]  # called with the bytes now on disk for the file
+Meter = Callable[[int], object]  # called with each chunk's size (a metrics counter's inc)
 # Headers computed for each request (method, URL path): a peer's HMAC carries the time, so a
 # resumed request signs afresh rather than reusing the first request's headers.
 Signer = Callable[[str, str], dict[str, str]]
@@ -140,6 +141,7 @@ class ContentCache:
         progress: Progress | None = None,
         attempts: int = 5,
         limiter: TokenBucket | None = None,
+        meter: Meter | None = None,
     ) -> Path:
         """Make `path(want.sha256)` hold the verified file; returns it.
 
@@ -147,7 +149,7 @@ class ContentCache:
         `attempts` times, each from where the last stopped. Raises FetchError (a checksum or
         size mismatch also deletes the partial, so the cache holds nothing for that digest),
         Busy, or InterruptedError when `stop` is set. `limiter` paces the transfer (origin
-        traffic; peers on the LAN go at line rate).
+        traffic; peers on the LAN go at line rate). `meter` counts the bytes received.
         """
         final = self.path(want.sha256)
         if self.has(want.sha256, want.size_bytes):
@@ -160,7 +162,7 @@ class ContentCache:
                     client,
                     want,
                     fd,
-                    _Pacing(stop, progress, limiter),
+                    _Pacing(stop, progress, limiter, meter),
                     attempts=attempts,
                 )
                 if digest != want.sha256:
@@ -190,6 +192,7 @@ class _Pacing:
     stop: threading.Event | None
     progress: Progress | None
     limiter: TokenBucket | None
+    meter: Meter | None = None
 
 
 def _download_retrying(
@@ -275,6 +278,8 @@ def _download(client: httpx.Client, want: Want, fd: int, pacing: _Pacing) -> str
                 have += len(chunk)
                 if progress is not None:
                     progress(have)
+                if pacing.meter is not None:
+                    pacing.meter(len(chunk))
                 if limiter is not None:
                     limiter.take(len(chunk), stop)
     if have != want.size_bytes:

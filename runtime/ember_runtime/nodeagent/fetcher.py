@@ -32,6 +32,8 @@ from ember_runtime import reasons
 from ember_runtime.config import MODEL_FETCH_ANNOTATION, FetchFile, ModelFetch
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
+from ember_runtime.nodeagent.labels import CacheLabels
+from ember_runtime.nodeagent.metrics import ORIGIN, AgentMetrics
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.nodeagent.site import SiteSharing
 from ember_runtime.nodeagent.windows import Windows, until
@@ -121,8 +123,11 @@ class Fetcher:
         site: SiteSharing | None = None,
         limiter: TokenBucket | None = None,
         windows: Windows | None = None,
+        metrics: AgentMetrics | None = None,
+        labels: CacheLabels | None = None,
     ) -> None:
         self.cache, self.reader, self.node, self.namespace = cache, reader, node, namespace
+        self.metrics, self.labels = metrics, labels
         self.retry_seconds = retry_seconds
         self.site, self.limiter, self.windows = site, limiter, windows
         self._window_stops: set[threading.Event] = set()
@@ -169,6 +174,8 @@ class Fetcher:
             else:
                 where = await self.site.obtain(want, lambda: self._from_origin(want))
                 self.site.published()
+            if self.labels is not None:
+                self.labels.changed()
             log.info("cached %s from the %s in %.1fs", sha[:12], where, time.monotonic() - started)
         except FetchError as err:
             log.warning("%s: %s: %s", sha[:12], err.reason, err)
@@ -188,9 +195,7 @@ class Fetcher:
         """Download from the origin, inside the download windows if there are any: wait for
         one to open, stop when it closes (the partial is kept) and resume in the next."""
         if self.windows is None:
-            await asyncio.to_thread(
-                self.cache.fetch, self._http, want, self._thread_stop, limiter=self.limiter
-            )
+            await self._fetch_origin(want, self._thread_stop)
             return
         while True:
             await self._until_window(want.sha256)
@@ -202,9 +207,7 @@ class Fetcher:
                 timer.daemon = True
                 timer.start()
             try:
-                await asyncio.to_thread(
-                    self.cache.fetch, self._http, want, stop, limiter=self.limiter
-                )
+                await self._fetch_origin(want, stop)
                 return
             except InterruptedError:
                 if self._thread_stop.is_set():
@@ -214,6 +217,14 @@ class Fetcher:
                 self._window_stops.discard(stop)
                 if timer is not None:
                     timer.cancel()
+
+    async def _fetch_origin(self, want: Want, stop: threading.Event) -> None:
+        meter = self.metrics.meter(ORIGIN).inc if self.metrics is not None else None
+        await asyncio.to_thread(
+            self.cache.fetch, self._http, want, stop, limiter=self.limiter, meter=meter
+        )
+        if self.metrics is not None:
+            self.metrics.fetched_files.labels(ORIGIN).inc()
 
     async def _until_window(self, sha: str) -> None:
         assert self.windows is not None

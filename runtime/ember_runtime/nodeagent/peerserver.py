@@ -20,6 +20,7 @@ from typing import BinaryIO
 
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import ContentCache
+from ember_runtime.nodeagent.metrics import AgentMetrics
 
 log = logging.getLogger("ember_runtime.nodeagent.peerserver")
 
@@ -103,9 +104,12 @@ class PeerServer(ThreadingHTTPServer):
         host: str = "0.0.0.0",  # noqa: S104 - the node network is the point
         port: int = 0,
         max_skew: float = peerauth.DEFAULT_MAX_SKEW,
+        *,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         super().__init__((host, port), _Handler)
         self.cache, self.key, self.max_skew = cache, key, max_skew
+        self.metrics = metrics
         self.bytes_served = 0
         self._count_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -117,6 +121,8 @@ class PeerServer(ThreadingHTTPServer):
     def count(self, n: int) -> None:
         with self._count_lock:
             self.bytes_served += n
+        if self.metrics is not None:
+            self.metrics.served_bytes.inc(n)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.serve_forever, name="peer-server", daemon=True)

@@ -44,6 +44,7 @@ import httpx
 from ember_runtime import reasons
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import ContentCache, FetchError, Want
+from ember_runtime.nodeagent.metrics import PEER, AgentMetrics
 from ember_runtime.thermal.kube import ApiError
 
 log = logging.getLogger("ember_runtime.nodeagent.site")
@@ -271,9 +272,11 @@ class SiteSharing:
         key: peerauth.PeerKey,
         http: httpx.Client,
         stop: threading.Event,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.cache, self.api, self.cfg, self.key, self.http = cache, api, cfg, key, http
         self.stop = stop
+        self.metrics = metrics
         self.leases = Leases(api, cfg)
         self.view = _View()
         self._changed = asyncio.Event()
@@ -416,9 +419,10 @@ class SiteSharing:
         for address in self._candidates(want.sha256, any_peer):
             url = f"http://{address}/sha256/{want.sha256}"
             from_peer = Want(url, want.sha256, want.size_bytes, signer=self._sign)
+            meter = self.metrics.meter(PEER).inc if self.metrics is not None else None
             try:
                 await asyncio.to_thread(
-                    self.cache.fetch, self.http, from_peer, self.stop, attempts=2
+                    self.cache.fetch, self.http, from_peer, self.stop, attempts=2, meter=meter
                 )
             except (FetchError, httpx.HTTPError) as err:
                 # A peer that answered wrongly is the peer's fault, never the spec's: no
@@ -433,6 +437,8 @@ class SiteSharing:
                 self._bad_until[address] = time.monotonic() + BAD_PEER_SECONDS
                 continue
             self.peer_fetches += 1
+            if self.metrics is not None:
+                self.metrics.fetched_files.labels(PEER).inc()
             log.info("got %s from peer %s", short(want.sha256), address)
             return True
         return False

@@ -4,21 +4,44 @@ Prewarm mounts the cache read-only and never fetches: the agent on the node does
 pods there. A final name under `sha256/` holds only verified bytes, so its presence is enough;
 prewarm still hashes it again while copying. A download that failed for good is recorded by the
 agent as a termination line under `failed/<digest>`, which prewarm reports as its own (so a wrong
-sha256 shows as `ChecksumMismatch` on the InferenceDeployment). After `model_wait_seconds`
-prewarm exits with `ModelDownloading`, so a slow download is visible in the object's status;
-the kubelet restarts it and it waits again.
+sha256 shows as `ChecksumMismatch` on the InferenceDeployment).
+
+A slow download is made visible through the one path every prewarm failure takes — the
+termination message, which the operator folds into the object's Degraded condition — rather
+than through API writes of prewarm's own: prewarm exits with `ModelDownloading` and a message
+naming its node, the bytes done of the total and an ETA (the rate is what prewarm saw the
+cache grow by during this wait), e.g.
+
+    node-a: 1.2 of 3.4 GB in the node cache, ETA 3m03s (12.0 MB/s over 1m40s)
+
+and the kubelet starts it again. The first wait of a pod is short (`FIRST_REPORT_SECONDS`), so
+`kubectl get infd` says ModelDownloading a minute after the pod starts waiting, not after
+`model_wait_seconds`; later waits last `model_wait_seconds`, which keeps the restarts (and so
+the status writes) rare, and, being longer than the kubelet's back-off reset (a restart more
+than twice the 5-minute maximum back-off after the last one starts again at 10 s), keeps each
+restart's back-off at 10 s. The pod's prewarm volume (an emptyDir, which outlives
+container restarts) holds the marker that says "this pod has waited before"; it is removed
+once the files are in.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import os
 import threading
 import time
+from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from ember_runtime import reasons
 from ember_runtime.config import ModelFile, RuntimeConfig
 from ember_runtime.prewarm.errors import Interrupted, PrewarmError
+
+NODE_ENV = "NODE_NAME"  # the downward API's spec.nodeName, in every Ember pod's env
+FIRST_REPORT_SECONDS = 60.0
+WAIT_MARKER = ".ember-model-wait"  # in the prewarm volume: "this pod has waited before"
 
 
 def _size(path: Path) -> int:
@@ -68,31 +91,120 @@ def _recorded_failure(config: RuntimeConfig) -> PrewarmError | None:
     return None
 
 
+def human_bytes(done: int, total: int) -> str:
+    """`1.2 of 3.4 GB`: both in the total's unit (decimal, as disks and links are sold)."""
+    unit, scale = "B", 1
+    for name, size in (("kB", 10**3), ("MB", 10**6), ("GB", 10**9), ("TB", 10**12)):
+        if total >= size:
+            unit, scale = name, size
+    if scale == 1:
+        return f"{done} of {total} B"
+    return f"{done / scale:.1f} of {total / scale:.1f} {unit}"
+
+
+def human_duration(seconds: float) -> str:
+    """`45s`, `2m10s`, `3h05m`: an ETA needs two figures at most."""
+    s = max(round(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def human_rate(bytes_per_second: float) -> str:
+    if bytes_per_second >= 1e6:
+        return f"{bytes_per_second / 1e6:.1f} MB/s"
+    return f"{bytes_per_second / 1e3:.1f} kB/s"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The cache's bytes for this pod's files at one moment (monotonic seconds)."""
+
+    at: float
+    done: int
+
+
+def progress_message(
+    node: str, first: Observation, last: Observation, total: int, note: str = ""
+) -> str:
+    """The ModelDownloading detail: node, bytes, ETA from the growth between two looks."""
+    waited = last.at - first.at
+    rate = (last.done - first.done) / waited if waited > 0 else 0.0
+    if rate > 0:
+        eta = f"ETA {human_duration((total - last.done) / rate)}"
+        speed = f" ({human_rate(rate)} over {human_duration(waited)})"
+    else:
+        eta, speed = "ETA unknown", f" (no progress in {human_duration(waited)})"
+    return f"{node}: {human_bytes(last.done, total)} in the node cache, {eta}{speed}{note}"
+
+
+def _marker(config: RuntimeConfig) -> Path | None:
+    return Path(config.prewarm_dir) / WAIT_MARKER if config.prewarm_dir else None
+
+
+def wait_seconds(config: RuntimeConfig) -> float:
+    """This run's wait: short the first time in this pod (the status says so soon), then
+    `model_wait_seconds`. Marks the pod as having waited."""
+    marker = _marker(config)
+    if marker is None:
+        return config.model_wait_seconds
+    if marker.exists():
+        return config.model_wait_seconds
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(dt.datetime.now(dt.UTC).isoformat() + "\n")
+    except OSError:
+        return config.model_wait_seconds  # no marker, no restart loop: just the long wait
+    return min(FIRST_REPORT_SECONDS, config.model_wait_seconds)
+
+
+def _clear_marker(config: RuntimeConfig) -> None:
+    if (marker := _marker(config)) is not None:
+        # The volume goes with the pod: a marker left behind costs nothing after it.
+        with suppress(OSError):
+            marker.unlink(missing_ok=True)
+
+
 def wait_for_cache(
-    config: RuntimeConfig, out: TextIO, stop: threading.Event, interval_s: float = 1.0
+    config: RuntimeConfig,
+    out: TextIO,
+    stop: threading.Event,
+    interval_s: float = 1.0,
+    node: str | None = None,
 ) -> None:
-    """Return once every file is in the cache; raise PrewarmError on a recorded failure or
-    after `config.model_wait_seconds`."""
-    deadline = time.monotonic() + config.model_wait_seconds
+    """Return once every file is in the cache; raise PrewarmError on a recorded failure or,
+    with ModelDownloading and the progress, after this run's wait (`wait_seconds`)."""
+    node = node or os.environ.get(NODE_ENV) or "this node"
+    total = config.total_bytes()
+    if all(_held(config, f) for f in config.files):
+        _done(config, out)
+        return
+    wait = wait_seconds(config)
+    first = Observation(time.monotonic(), _done_bytes(config))
+    deadline = first.at + wait
     next_say = 0.0
     while not all(_held(config, f) for f in config.files):
         if (failure := _recorded_failure(config)) is not None:
             raise failure
-        done, total = _done_bytes(config), config.total_bytes()
-        now = time.monotonic()
-        if now >= deadline:
-            raise PrewarmError(
-                f"{done} of {total} bytes in the node cache after "
-                f"{config.model_wait_seconds:.0f}s; the node agent is still fetching"
-                f"{_waiting_note(config)}",
-                reasons.MODEL_DOWNLOADING,
-            )
-        if now >= next_say:
+        now = Observation(time.monotonic(), _done_bytes(config))
+        if now.at >= deadline:
             note = _waiting_note(config)
-            out.write(f"prewarm: waiting for the node agent: {done} of {total} bytes{note}\n")
+            raise PrewarmError(
+                progress_message(node, first, now, total, note), reasons.MODEL_DOWNLOADING
+            )
+        if now.at >= next_say:
+            note = _waiting_note(config)
+            out.write(f"prewarm: waiting for the node agent: {now.done} of {total} bytes{note}\n")
             out.flush()
-            next_say = now + max(interval_s, 5.0)
-        if stop.wait(min(interval_s, max(deadline - now, 0.01))):
+            next_say = now.at + max(interval_s, 5.0)
+        if stop.wait(min(interval_s, max(deadline - now.at, 0.01))):
             raise Interrupted()
+    _done(config, out)
+
+
+def _done(config: RuntimeConfig, out: TextIO) -> None:
+    _clear_marker(config)
     out.write("prewarm: all files are in the node cache\n")
     out.flush()
