@@ -378,7 +378,9 @@ def markdown(report: dict[str, Any]) -> str:
         "one build for both servers. Random-weight GGUFs in real shapes (`bench/gpu_models.py`); "
         f"`distinct` workload: ~62-token prompts, {MAX_TOKENS} tokens out, greedy; "
         f"{CTX_PER_SEQ} tokens of context per slot; slots = {max(LEVELS)}. The load "
-        f"generator's clients are dealt over {CLIENT_PROCS} processes, the same for both servers.",
+        f"generator's clients are dealt over {CLIENT_PROCS} processes, the same for both servers; "
+        "each client opens its connection with a throw-away `GET /v1/models` before the clock "
+        "starts (a fresh process's first request cost 110-170 ms of its own).",
         "",
         "| model | server | clients | requests | tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
         "| ITL p50 (ms) | ITL p99 (ms) | errors | GPU °C max | W mean | SM MHz mean | util % |",
