@@ -116,6 +116,25 @@ def _need_buildah() -> None:
         raise SystemExit("buildah is required to build Ember's images (apt-get install buildah)")
 
 
+def _image_id(ref: str) -> str:
+    """The image `ref` names in buildah's store, or "" when there is none."""
+    found = subprocess.run(
+        ["buildah", "images", "--quiet", "--no-trunc", ref],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return found.stdout.strip().splitlines()[0] if found.returncode == 0 and found.stdout else ""
+
+
+def _drop_replaced(previous: str, current: str) -> None:
+    """Remove the image a rebuild untagged. Every test session rebuilds from a changed tree,
+    and each replaced image kept its own layers: 138 of them once filled 58 GB of this disk.
+    Layers the new image or the build cache still use stay (buildah removes only the rest)."""
+    if previous and previous != current:
+        subprocess.run(["buildah", "rmi", previous], capture_output=True, check=False)
+
+
 def build_image(image: EmberImage) -> Path:
     """Build one image for the local cluster (cached layers); export it as a docker-archive."""
     from tests.cluster.images import images_dir
@@ -125,9 +144,11 @@ def build_image(image: EmberImage) -> Path:
     start = time.monotonic()
     slow = " (its first build compiles llama.cpp: minutes)" if image.name == "ember-runtime" else ""
     log(f"building {image.ref} from {image.dockerfile}{slow}")
+    previous = _image_id(image.ref)
     subprocess.run(
         bud_argv(image, image.ref, base, None), cwd=REPO, check=True, stdout=subprocess.DEVNULL
     )
+    _drop_replaced(previous, _image_id(image.ref))
     out = images_dir() / f"{image.name}.tar"
     out.unlink(missing_ok=True)
     _buildah("push", "-q", image.ref, f"docker-archive:{out}:{image.ref}")
