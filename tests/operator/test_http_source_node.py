@@ -39,6 +39,7 @@ WRONG = "0" * 64
 ROOT = Path(__file__).resolve().parents[2]
 EMBER_PODS = "app.kubernetes.io/managed-by=ember-operator"
 SLOW_RATE = 2_000_000  # bytes/s: the packaged model (~253 MB) takes ~2 minutes
+RESUME_RATE = 8_000_000  # bytes/s: a third of it in ~10 s, then the agent is killed
 
 
 def _forget(sha: str) -> None:
@@ -167,6 +168,17 @@ def slow_world(
     return runtime_image, *origin
 
 
+@pytest.fixture
+def agentless_world(
+    quiet_node: None,
+    operator: Any,
+    runtime_image: str,  # noqa: F811 - the imported fixture
+    origin: tuple[str, OriginState],
+) -> World:
+    """As `world`, with no agent yet: the test starts (and kills) its own."""
+    return runtime_image, *origin
+
+
 def _infd(image: str, name: str, url: str, sha: str, size: int) -> dict[str, Any]:
     return manifest(
         name,
@@ -292,5 +304,48 @@ def test_a_slow_download_shows_the_nodes_bytes_and_eta_then_serves(
             print(_explain(kube, namespace, degraded()), "--- operator ---", operator.output)
             raise
         assert state.bytes_sent == size  # one download, nothing fetched twice
+    finally:
+        _forget(MODEL_SHA256)
+
+
+def test_an_agent_killed_mid_download_resumes_where_it_stopped(
+    kube: Kube, namespace: str, gemma_gguf: Path, tmp_path: Path, agentless_world: World
+) -> None:
+    """The agent is SIGKILLed with a third of the model in its `.partial`; the next agent (a
+    restarted DaemonSet pod) asks the origin for the rest only, and the replica's prewarm gets
+    the verified file: the origin sends one copy, give or take what was in flight."""
+    image, base, state = agentless_world
+    _forget(MODEL_SHA256)
+    size = gemma_gguf.stat().st_size
+    partial = CACHE / "sha256" / f"{MODEL_SHA256}.partial"
+    url = f"{base}/{MODEL_FILENAME}"
+    try:
+        rest.create(kube.api, "infd", namespace, _infd(image, "resume", url, MODEL_SHA256, size))
+        first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+        first_dir.mkdir()
+        second_dir.mkdir()
+        paced = [f"--origin_max_bytes_per_second={RESUME_RATE}"]
+        with _running_agent(kube, namespace, first_dir, paced) as first:
+            wait_for(
+                "a third of the model in the partial",
+                lambda: partial.exists() and partial.stat().st_size >= size // 3,
+                timeout=300,
+                interval=0.5,
+            )
+            first.kill()  # SIGKILL: no clean-up of any kind
+            first.wait(timeout=30)
+        cut = partial.stat().st_size
+        assert cut < size, cut
+        with _running_agent(kube, namespace, second_dir):
+            done = wait_for(
+                "prewarm to finish",
+                lambda: (s := _prewarm_state(kube, namespace)) and s["exitCode"] == 0 and s,
+                timeout=600,
+                interval=2,
+            )
+        assert (CACHE / "sha256" / MODEL_SHA256).stat().st_size == size
+        assert size <= state.bytes_sent <= 1.05 * size, (cut, state.bytes_sent, done)
+        ranges = [r["range"] for r in state.requests if r.get("range")]
+        assert ranges and int(ranges[-1].removeprefix("bytes=").rstrip("-")) > 0, state.requests
     finally:
         _forget(MODEL_SHA256)
