@@ -180,6 +180,8 @@ def agentless_world(
 
 
 def _infd(image: str, name: str, url: str, sha: str, size: int) -> dict[str, Any]:
+    """An http-sourced replica that fits RESOURCES' 640 Mi: the default engine (16 sequences of
+    2,048 tokens) needs 961 MiB and would stop with EngineMemoryOverLimit once prewarm is done."""
     return manifest(
         name,
         model={
@@ -190,6 +192,7 @@ def _infd(image: str, name: str, url: str, sha: str, size: int) -> dict[str, Any
         },
         image=image,
         prewarm={"enabled": True, "sharedMemoryLimit": "512Mi"},
+        engine={"contextLength": 512, "maxBatchSize": 2, "minBatchSize": 1},
         resources=RESOURCES,
     )
 
@@ -270,10 +273,19 @@ def test_a_slow_download_shows_the_nodes_bytes_and_eta_then_serves(
     try:
         rest.create(kube.api, "infd", namespace, _infd(image, "slow", url, MODEL_SHA256, size))
 
-        def degraded() -> dict[str, Any]:
+        def condition(kind: str) -> dict[str, Any]:
             obj = rest.get(kube.api, "infd", namespace, "slow") or {}
             conds = (obj.get("status") or {}).get("conditions") or []
-            return next((c for c in conds if c["type"] == "Degraded"), {})
+            return next((c for c in conds if c["type"] == kind), {})
+
+        def degraded() -> dict[str, Any]:
+            return condition("Degraded")
+
+        def serving() -> bool:
+            # Both at once: a replica that starts and then fails is briefly neither Degraded
+            # nor Ready, and must not pass for a recovered one.
+            ready = condition("Ready").get("status") == "True"
+            return ready and degraded().get("status") == "False"
 
         cond = wait_for(
             "ModelDownloading",
@@ -291,12 +303,13 @@ def test_a_slow_download_shows_the_nodes_bytes_and_eta_then_serves(
         assert cols["STATUS"] == "ModelDownloading"
         described = kube.kubectl("describe", "infd", "slow", "-n", namespace)
         assert f"{NODE_NAME}: " in described and "ETA" in described, described
-        # The download finishes; the restarted prewarm copies and exits 0, and the old
-        # ModelDownloading exit in its lastState no longer makes the replica Degraded.
+        # The download finishes; the restarted prewarm copies and exits 0, the runtime serves,
+        # and the old ModelDownloading exit in prewarm's lastState no longer makes the replica
+        # Degraded.
         try:
             wait_for(
-                "Degraded to clear",
-                lambda: degraded().get("status") == "False",
+                "the replica to serve, no longer Degraded",
+                serving,
                 timeout=600,
                 interval=2,
             )
