@@ -42,6 +42,11 @@ def nodes(fleet: Callable[..., list[str]]) -> list[str]:
     return fleet(6, sites=3)
 
 
+def _site_of(kube: Any, node: str) -> str:
+    labels = rest.request(kube.api, "GET", f"/api/v1/nodes/{node}")["metadata"]["labels"]
+    return str(labels.get("ember.dev/site", ""))
+
+
 def _infd(kube: Any, ns: str, name: str) -> dict[str, Any]:
     obj = rest.get(kube.api, "infd", ns, name)
     assert obj is not None, f"{ns}/{name} is gone"
@@ -457,7 +462,9 @@ def test_http_source_prefers_cached_nodes_and_shows_each_nodes_download(
     would): Degraded lists each node with its bytes and ETA, `kubectl get infd` shows
     ModelDownloading, and an Event goes out per new report, not per refresh."""
     sha = uuid.uuid4().hex * 2  # this test's own digest: its label is on no other node
-    holder = nodes[4]
+    # A node the spec's sites allow. The fleet is reused across the suite: an earlier test may
+    # have made kwok-4 with 5 sites (site-4), which `placement.sites` rules out.
+    holder = next(n for n in reversed(nodes) if _site_of(kube, n) in SITES)
     label = cache_label(sha)
     body = fleet_manifest("dl", SITES, replicas=1)
     body["spec"]["model"]["files"][0]["sha256"] = sha
