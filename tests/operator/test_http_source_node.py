@@ -145,38 +145,27 @@ def quiet_node(kube: Kube, namespace: str) -> None:
 
 
 @pytest.fixture
-def world(
-    quiet_node: None,
-    operator: Any,
-    runtime_image: str,  # noqa: F811 - the imported fixture
-    origin: tuple[str, OriginState],
-    agent: subprocess.Popen[str],
-) -> World:
-    """The operator, the runtime image on the node, the origin and the node agent, all running."""
-    return runtime_image, *origin
-
-
-@pytest.fixture
-def slow_world(
-    quiet_node: None,
-    operator: Any,
-    runtime_image: str,  # noqa: F811 - the imported fixture
-    origin: tuple[str, OriginState],
-    slow_agent: subprocess.Popen[str],
-) -> World:
-    """As `world`, with the agent pacing the origin at SLOW_RATE."""
-    return runtime_image, *origin
-
-
-@pytest.fixture
 def agentless_world(
     quiet_node: None,
     operator: Any,
     runtime_image: str,  # noqa: F811 - the imported fixture
     origin: tuple[str, OriginState],
 ) -> World:
-    """As `world`, with no agent yet: the test starts (and kills) its own."""
+    """The operator, the runtime image on the node and the origin, with no agent yet (a test
+    that starts and kills its own uses this one)."""
     return runtime_image, *origin
+
+
+@pytest.fixture
+def world(agentless_world: World, agent: subprocess.Popen[str]) -> World:
+    """As `agentless_world`, with the node agent running."""
+    return agentless_world
+
+
+@pytest.fixture
+def slow_world(agentless_world: World, slow_agent: subprocess.Popen[str]) -> World:
+    """As `world`, with the agent pacing the origin at SLOW_RATE."""
+    return agentless_world
 
 
 def _infd(image: str, name: str, url: str, sha: str, size: int) -> dict[str, Any]:

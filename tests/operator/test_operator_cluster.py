@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ember_operator.render import SITE_LABEL
 from ember_runtime import reasons
 from ember_runtime.config import cache_label
 from ember_runtime.prewarm import cachewait
@@ -42,9 +43,12 @@ def nodes(fleet: Callable[..., list[str]]) -> list[str]:
     return fleet(6, sites=3)
 
 
-def _site_of(kube: Any, node: str) -> str:
-    labels = rest.request(kube.api, "GET", f"/api/v1/nodes/{node}")["metadata"]["labels"]
-    return str(labels.get("ember.dev/site", ""))
+def _node_sites(kube: Any) -> dict[str, str]:
+    """Each node's `ember.dev/site` label ("" where it has none)."""
+    listing = rest.request(kube.api, "GET", "/api/v1/nodes")
+    return {
+        n["metadata"]["name"]: n["metadata"]["labels"].get(SITE_LABEL, "") for n in listing["items"]
+    }
 
 
 def _infd(kube: Any, ns: str, name: str) -> dict[str, Any]:
@@ -271,11 +275,7 @@ def test_sites_spread_and_ready(kube: Any, namespace: str, operator: Any, nodes:
     rest.create(kube.api, "infd", namespace, fleet_manifest("zeta", SITES, replicas=3))
     wait_for("ready", lambda: _ready(kube, namespace, "zeta"), timeout=180)
     pods = rest.items(kube.api, "pods", namespace, label_selector="ember.dev/instance=zeta")
-    listing = rest.request(kube.api, "GET", "/api/v1/nodes")
-    node_site = {
-        n["metadata"]["name"]: n["metadata"]["labels"].get("ember.dev/site")
-        for n in listing["items"]
-    }
+    node_site = _node_sites(kube)
     assert sorted(node_site[p["spec"]["nodeName"]] for p in pods) == SITES
     obj = _infd(kube, namespace, "zeta")
     assert obj["status"]["readyReplicas"] == 3 and obj["status"]["ready"] == "3/3"
@@ -464,7 +464,8 @@ def test_http_source_prefers_cached_nodes_and_shows_each_nodes_download(
     sha = uuid.uuid4().hex * 2  # this test's own digest: its label is on no other node
     # A node the spec's sites allow. The fleet is reused across the suite: an earlier test may
     # have made kwok-4 with 5 sites (site-4), which `placement.sites` rules out.
-    holder = next(n for n in reversed(nodes) if _site_of(kube, n) in SITES)
+    node_site = _node_sites(kube)
+    holder = next(n for n in reversed(nodes) if node_site[n] in SITES)
     label = cache_label(sha)
     body = fleet_manifest("dl", SITES, replicas=1)
     body["spec"]["model"]["files"][0]["sha256"] = sha
