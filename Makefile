@@ -7,7 +7,7 @@ PY_SYS   ?= python3
 VENV     := .venv
 PY       := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
-APT_PKGS := containerd runc containernetworking-plugins debootstrap etcd-server iproute2 \
+APT_PKGS := containerd runc containernetworking-plugins debootstrap iproute2 \
             iptables util-linux gcc g++ libc6-dev cmake buildah
 # llama.cpp is compiled by pip (≈6 min once; pip caches the wheel).
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2

@@ -1,4 +1,4 @@
-"""Build the pinned Kubernetes binaries (and kwok, helm) from the Go module proxy, cached.
+"""Build the pinned Kubernetes binaries (and etcd, kwok, helm) from the Go module proxy, cached.
 
 `go install k8s.io/kubernetes/cmd/...@vX` is refused because k8s.io/kubernetes' go.mod
 `replace`s every staging module with a local path. We therefore generate a small wrapper
@@ -25,6 +25,13 @@ from tests.cluster.paths import bin_dir, cache_root
 
 KUBERNETES_VERSION = "v1.36.3"
 KWOK_VERSION = "v0.7.0"
+# The etcd that Kubernetes v1.36.3 is built and tested against (k8s.io/apiserver's go.mod).
+# Debian's etcd 3.4.23 cannot serve progress-notify requests, so a 1.36 API server refuses
+# every watch that asks for initial events or bookmarks from "now" (as kwok's do), and its
+# own watch cache lags: kwok then re-lists on a backoff of up to 30 s and sees new nodes, and
+# renews leases, that late.
+ETCD_VERSION = "v3.6.8"
+ETCD_MODULE = "go.etcd.io/etcd/server/v3"  # its root package is etcd's main
 HELM_VERSION = "v3.20.2"
 GOPROXY = os.environ.get("GOPROXY", "https://proxy.golang.org").split(",")[0]
 
@@ -46,6 +53,8 @@ class Tool:
 
 
 EXTRA_TOOLS = (
+    # Versioned file name: a new pin builds only etcd, not the Kubernetes binaries beside it.
+    Tool(f"etcd-{ETCD_VERSION}", ETCD_MODULE, ETCD_VERSION, ETCD_MODULE),
     Tool("kwok", "sigs.k8s.io/kwok", KWOK_VERSION, "sigs.k8s.io/kwok/cmd/kwok"),
     Tool("helm", "helm.sh/helm/v3", HELM_VERSION, "helm.sh/helm/v3/cmd/helm"),
 )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.cluster.build import log
+from tests.cluster.build import ETCD_VERSION, log
 from tests.cluster.pki import PKI, CertSpec
 from tests.cluster.procs import ProcessTable, free_port, wait_for
 
@@ -117,7 +117,7 @@ class ControlPlane:
         self.procs.start(
             "etcd",
             [
-                shutil.which("etcd") or "etcd",
+                str(self.bins / f"etcd-{ETCD_VERSION}"),
                 "--name",
                 "ember",
                 "--data-dir",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -254,6 +255,24 @@ def test_init_and_native_sidecar(node: NodeHandle, kube: Kube, namespace: str) -
 def test_device_plugin_socket_exists(node: NodeHandle) -> None:
     assert (node.device_plugin_dir / "kubelet.sock").is_socket()
     assert node.pod_resources_socket.is_socket()
+
+
+def test_api_server_serves_watches_from_now_with_bookmarks(kube: Kube) -> None:
+    """kwok (and client-go's streaming lists) open watches with bookmarks and no resourceVersion.
+    A 1.36 API server serves them only when etcd answers progress requests (3.5.13+); on
+    Debian's etcd 3.4 it sends one ERROR event instead, and kwok falls back to re-listing on a
+    backoff of up to 30 s: nodes turn Ready, and leases renew, that late."""
+    path = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
+    query = "watch=1&allowWatchBookmarks=true&sendInitialEvents=true&timeoutSeconds=2"
+    resp = kube.api.rest_client.pool_manager.request(
+        "GET", f"{kube.api.configuration.host}{path}?{query}&resourceVersionMatch=NotOlderThan"
+    )
+    events = [json.loads(line) for line in resp.data.decode().splitlines() if line.strip()]
+    assert resp.status == 200, resp.data[:400]
+    assert events, "the watch sent nothing, not even the end-of-initial-events bookmark"
+    assert all(e["type"] != "ERROR" for e in events), events[-1]
+    last = events[-1]["object"]["metadata"]
+    assert last.get("annotations", {}).get("k8s.io/initial-events-end") == "true", events[-1]
 
 
 def test_fleet_of_200_nodes_takes_a_200_replica_deployment(
