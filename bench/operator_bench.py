@@ -52,6 +52,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tests.cluster.cluster import Cluster
 from tests.cluster.fleet import node_manifest
+from tests.cluster.paths import state_dir
 from tests.cluster.procs import free_port
 from tests.operator import rest
 from tests.operator.specs import fleet_manifest
@@ -83,6 +84,28 @@ def _drop_namespace(api: ApiClient, name: str, timeout: float = 600) -> float:
             raise
         time.sleep(2)
     return time.monotonic() - start
+
+
+def _cpu_of(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds of the local cluster's processes (and the operator) over one phase: where a
+    phase's time goes on a 2-core machine. Empty with --kubeconfig (no local process table)."""
+
+    def __init__(self, extra: dict[str, int] | None = None) -> None:
+        pids = {p.stem: int(p.read_text()) for p in (state_dir() / "pids").glob("*.pid")}
+        self.pids = {**pids, **(extra or {})}
+        self.start = {name: _cpu_of(pid) for name, pid in self.pids.items()}
+
+    def used(self) -> dict[str, float]:
+        now = {name: _cpu_of(pid) - self.start[name] for name, pid in self.pids.items()}
+        return {name: round(cpu, 1) for name, cpu in sorted(now.items()) if cpu >= 0.05}
 
 
 def _parallel(fn: Callable[[Any], Any], items: list[Any], workers: int = 8) -> None:
@@ -200,13 +223,18 @@ def run_floor(api: ApiClient, n: int, sites: list[str], timeout: float) -> dict[
     tracker = ReadyTracker(api, "deployments", ns, n, _deployment_ready)
     tracker.start()
     time.sleep(1)
-    start = time.monotonic()
+    start, cpu = time.monotonic(), CpuMeter()
     _parallel(lambda b: _create(api, b), bodies)
     converge = tracker.wait(start, timeout)
+    cpu_used = cpu.used()
     gone = _drop_namespace(api, ns)
     print(f"floor: {converge}s; namespace gone in {gone:.0f}s", file=sys.stderr)
     converge = None if converge is None else round(converge, 1)
-    return {"converge_s": converge, "writes_per_object": round(len(bodies) / n, 2)}
+    return {
+        "converge_s": converge,
+        "writes_per_object": round(len(bodies) / n, 2),
+        "cpu_by_process_s": cpu_used,
+    }
 
 
 # ----------------------------------------------------------------------------- the operator
@@ -310,12 +338,13 @@ def converge_ember(
         watching(api, "events", ns, int(timeout) + 60) as events,
     ):
         time.sleep(1)
-        start = time.monotonic()
+        start, cpu = time.monotonic(), CpuMeter({"ember-operator": op.proc.pid})
         _parallel(
             lambda i: rest.create(api, "infd", ns, fleet_manifest(f"m{i}", sites)),
             list(range(n)),
         )
         converge = tracker.wait(start, timeout)
+        cpu_used = cpu.used()
         deployments = children.wait(start, 0.1) if children.finished.is_set() else None
         time.sleep(5)  # writes still in flight reach the watches
     writes = op.writes()
@@ -335,6 +364,7 @@ def converge_ember(
         "peak_rss_after_converge_mib": round(op.peak_rss_mib(), 1),
         "rss_after_converge_mib": round(op.rss_mib(), 1),
         "cpu_after_converge_s": round(op.cpu_seconds(), 1),
+        "cpu_by_process_s": cpu_used,
     }
 
 
@@ -579,8 +609,22 @@ def markdown(result: dict[str, Any]) -> str:
         f"{e['rss_after_converge_mib']} MiB resident then, {e['rss_at_end_mib']} MiB at the end; "
         f"CPU {e['cpu_after_converge_s']} s by the end of convergence; exit code on SIGTERM "
         f"{e['operator_exit_code']}.",
+        "",
+        "CPU seconds by process from the first create to all Ready (the bench's own client "
+        "not included):",
+        "",
+        "| process | floor | Ember |",
+        "|---|---|---|",
+        *_cpu_rows(result["floor"].get("cpu_by_process_s", {}), e.get("cpu_by_process_s", {})),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _cpu_rows(floor: dict[str, float], ember: dict[str, float]) -> list[str]:
+    names = sorted(set(floor) | set(ember), key=lambda n: -ember.get(n, floor.get(n, 0.0)))
+    rows = [f"| {n} | {floor.get(n, '-')} | {ember.get(n, '-')} |" for n in names]
+    total = f"| all | {sum(floor.values()):.1f} | {sum(ember.values()):.1f} |"
+    return [*rows, total] if names else []
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
