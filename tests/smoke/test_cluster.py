@@ -271,8 +271,15 @@ def test_api_server_serves_watches_from_now_with_bookmarks(kube: Kube) -> None:
     assert resp.status == 200, resp.data[:400]
     assert events, "the watch sent nothing, not even the end-of-initial-events bookmark"
     assert all(e["type"] != "ERROR" for e in events), events[-1]
-    last = events[-1]["object"]["metadata"]
-    assert last.get("annotations", {}).get("k8s.io/initial-events-end") == "true", events[-1]
+    # Live changes (lease renewals) and periodic bookmarks may follow within the 2 s.
+    ends = [
+        e
+        for e in events
+        if e["type"] == "BOOKMARK"
+        and (e["object"]["metadata"].get("annotations") or {}).get("k8s.io/initial-events-end")
+        == "true"
+    ]
+    assert len(ends) == 1, [e["type"] for e in events]
 
 
 def test_fleet_of_200_nodes_takes_a_200_replica_deployment(
