@@ -235,10 +235,44 @@ REJECT: list[tuple[str, Change, str]] = [
         "metadata.name must be a lowercase DNS label of at most 56",
     ),
     ("duplicate-sites", spec(placement={"sites": ["a", "a"]}), "Duplicate value"),
+    (
+        "resource-name-with-space",
+        spec(resources={"requests": {"cpu ": "1"}}),
+        "resources.requests keys must be resource names such as cpu, memory or nvidia.com/gpu",
+    ),
+    (
+        "resource-name-empty-after-prefix",
+        spec(resources={"limits": {"nvidia.com/": 1}}),
+        "resources.limits keys must be resource names",
+    ),
+    (
+        "resource-name-upper-case-prefix",
+        spec(resources={"limits": {"Ember.dev/npu": 1}}),
+        "resources.limits keys must be resource names",
+    ),
+    (
+        "resource-name-too-long",
+        spec(resources={"requests": {"example.com/" + "a" * 64: 1}}),
+        "resources.requests keys must be resource names",
+    ),
+    (
+        "too-many-resources",
+        spec(resources={"requests": {f"example.com/r{i}": 1 for i in range(17)}}),
+        "must have at most 16 items",
+    ),
 ]
 
 ACCEPT: list[tuple[str, Change]] = [
     ("minimal", lambda doc: doc),
+    (
+        "resource-names",
+        spec(
+            resources={
+                "requests": {"cpu": "1", "memory": "1Gi", "hugepages-2Mi": "2Mi"},
+                "limits": {"memory": "2Gi", "nvidia.com/gpu": 1, "ember.dev/npu": 1},
+            }
+        ),
+    ),
     ("pvc-source", path("spec.model.source", {"pvc": {"claimName": "m", "subPath": "gemma/v1"}})),
     ("image-source", path("spec.model.source", {"image": {"reference": "registry/models:gemma"}})),
     ("http-source", path("spec.model.source", HTTP)),

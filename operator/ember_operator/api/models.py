@@ -440,9 +440,33 @@ class ServerSpec(Wire):
     )
 
 
+# A Kubernetes resource name: an optional DNS-subdomain prefix and a name of at most 63
+# characters (cpu, memory, hugepages-2Mi, nvidia.com/gpu, ember.dev/npu). Checked at admission:
+# otherwise a typo passes here and surfaces only when the Deployment apply is refused.
+_RESOURCE_NAME = (
+    "^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    "[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+
+
+def _resource_map(what: str) -> Any:
+    return Field(
+        default_factory=dict,
+        max_length=16,  # bounds the rule's cost, as the API server requires
+        description=f"Resource {what}.",
+        json_schema_extra=rules(
+            cel(
+                f"self.all(k, size(k) <= 253 && k.matches('{_RESOURCE_NAME}'))",
+                f"resources.{what} keys must be resource names such as cpu, memory or "
+                "nvidia.com/gpu",
+            )
+        ),
+    )
+
+
 class ResourceRequirements(Wire):
-    requests: dict[str, Quantity] = Field(default_factory=dict, description="Resource requests.")
-    limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits.")
+    requests: dict[str, Quantity] = _resource_map("requests")
+    limits: dict[str, Quantity] = _resource_map("limits")
 
 
 # ----------------------------------------------------------------------------- spec
