@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 
@@ -101,3 +101,27 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float, on_fail: str 
                 return
         time.sleep(0.1)
     raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}\n{on_fail}")
+
+
+def port_open(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def port_forward(
+    kubectl: str, kubeconfig: Path, service: str, namespace: str, port: int
+) -> Iterator[int]:
+    """`kubectl port-forward svc/<service>` on a free local port, through the real kubelet;
+    yields the local port once it accepts connections."""
+    local = free_port()
+    cmd = [kubectl, f"--kubeconfig={kubeconfig}", "port-forward", "-n", namespace]
+    cmd += [f"svc/{service}", f"{local}:{port}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_for("kubectl port-forward", lambda: port_open(local), timeout=30)
+        yield local
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

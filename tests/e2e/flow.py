@@ -20,7 +20,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from ember_operator import quantity
 from ember_runtime.models import MODEL_SHA256, default_model_path
 
 from tests.cluster.images import PAUSE_IMAGE
-from tests.cluster.procs import free_port, wait_for
+from tests.cluster.procs import port_forward, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ember"
@@ -455,25 +454,10 @@ class Flow:
             self.run_kubectl("delete", "pod", name, "-n", namespace, "--ignore-not-found")
 
     # -- talking to it -------------------------------------------------------------------
-    @contextlib.contextmanager
-    def port_forward(self, service: str, namespace: str, port: int) -> Iterator[int]:
-        local = free_port()
-        cmd = [
-            self.kubectl,
-            f"--kubeconfig={self.target.kubeconfig}",
-            "port-forward",
-            "-n",
-            namespace,
-            f"svc/{service}",
-            f"{local}:{port}",
-        ]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            wait_for("kubectl port-forward", lambda: _port_open(local), timeout=30)
-            yield local
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+    def port_forward(
+        self, service: str, namespace: str, port: int
+    ) -> contextlib.AbstractContextManager[int]:
+        return port_forward(self.kubectl, self.target.kubeconfig, service, namespace, port)
 
     def chat(self, local_port: int, prompt: str, on_token: Callable[[str], None]) -> str:
         """A streamed /v1/chat/completions request (the model's chat template)."""
@@ -592,12 +576,6 @@ def _pod_cpu(pod_spec: dict[str, Any]) -> Fraction:
 
     main = sum((cpu(c) for c in pod_spec.get("containers", [])), Fraction(0))
     return max([main, *(cpu(c) for c in pod_spec.get("initContainers", []))])
-
-
-def _port_open(port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-        return True
-    return False
 
 
 def copy_model(src: Path, dest_dir: Path) -> None:

@@ -12,8 +12,6 @@ import concurrent.futures
 import contextlib
 import json
 import shutil
-import socket
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from ember_runtime import reasons
 from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256
 
 from tests.cluster.paths import bin_dir
-from tests.cluster.procs import free_port
+from tests.cluster.procs import port_forward
 from tests.conftest import Kube
 from tests.operator import rest
 from tests.operator.conftest import wait_for
@@ -76,27 +74,15 @@ def _condition(kube: Kube, namespace: str, name: str, kind: str) -> dict[str, An
     return found if found and found["status"] == "True" else None
 
 
-@contextlib.contextmanager
-def _port_forward(kube: Kube, service: str, namespace: str) -> Iterator[int]:
+def _port_forward(
+    kube: Kube, service: str, namespace: str
+) -> contextlib.AbstractContextManager[int]:
     """`kubectl port-forward` to the Service's port through the real kubelet."""
     svc = rest.get(kube.api, "services", namespace, service) or {}
-    remote = svc["spec"]["ports"][0]["port"]
-    local = free_port()
-    kubectl = [str(bin_dir() / "kubectl"), f"--kubeconfig={kube.kubeconfig}"]
-    forward = [*kubectl, "port-forward", "-n", namespace, f"svc/{service}", f"{local}:{remote}"]
-    proc = subprocess.Popen(forward, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        wait_for("kubectl port-forward", lambda: _port_open(local), timeout=30)
-        yield local
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _port_open(port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-        return True
-    return False
+    kubectl = str(bin_dir() / "kubectl")
+    return port_forward(
+        kubectl, kube.kubeconfig, service, namespace, svc["spec"]["ports"][0]["port"]
+    )
 
 
 # Reasons that never clear by themselves (a transient FailedMount or Unschedulable on a busy
