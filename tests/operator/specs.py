@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
+
+from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256
 
 SHA = "0123456789abcdef" * 4
 # The kwok fleet's taint (tests/cluster/fleet.py): only pods that tolerate it land there.
@@ -30,6 +33,16 @@ def manifest(name: str = "demo", **spec_overrides: Any) -> dict[str, Any]:
         "kind": "InferenceDeployment",
         "metadata": {"name": name},
         "spec": spec,
+    }
+
+
+def hostpath_model(directory: Path, size: int) -> dict[str, Any]:
+    """`spec.model` for the real Gemma file (its published sha256) in a node directory."""
+    return {
+        "name": "gemma-3-270m",
+        "format": "gguf",
+        "source": {"hostPath": {"path": str(directory)}},
+        "files": [{"path": MODEL_FILENAME, "sha256": MODEL_SHA256, "sizeBytes": size}],
     }
 
 

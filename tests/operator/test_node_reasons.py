@@ -24,7 +24,7 @@ from tests.conftest import Kube, NodeHandle
 from tests.e2e.flow import table_columns
 from tests.operator import rest
 from tests.operator.conftest import wait_for
-from tests.operator.specs import manifest
+from tests.operator.specs import hostpath_model, manifest
 
 pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]
 
@@ -66,12 +66,7 @@ def corrupted_copy(gemma_gguf: Path, model_dir: Path) -> tuple[Path, int, str]:
 def _infd(image: str, name: str, directory: Path, size: int) -> dict[str, Any]:
     return manifest(
         name,
-        model={
-            "name": "gemma-3-270m",
-            "format": "gguf",
-            "source": {"hostPath": {"path": str(directory)}},
-            "files": [{"path": MODEL_FILENAME, "sha256": MODEL_SHA256, "sizeBytes": size}],
-        },
+        model=hostpath_model(directory, size),
         image=image,
         prewarm={"enabled": True, "sharedMemoryLimit": "512Mi"},
         resources=RESOURCES,

@@ -19,14 +19,14 @@ from typing import Any
 import httpx
 import pytest
 from ember_runtime import reasons
-from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256
+from ember_runtime.models import MODEL_FILENAME
 
 from tests.cluster.paths import bin_dir
 from tests.cluster.procs import port_forward
 from tests.conftest import Kube
 from tests.operator import rest
 from tests.operator.conftest import wait_for
-from tests.operator.specs import manifest
+from tests.operator.specs import hostpath_model, manifest
 from tests.operator.test_node_reasons import MODELS, runtime_image  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]
@@ -54,12 +54,7 @@ def _infd(
     size = (directory / MODEL_FILENAME).stat().st_size
     return manifest(
         name,
-        model={
-            "name": "gemma-3-270m",
-            "format": "gguf",
-            "source": {"hostPath": {"path": str(directory)}},
-            "files": [{"path": MODEL_FILENAME, "sha256": MODEL_SHA256, "sizeBytes": size}],
-        },
+        model=hostpath_model(directory, size),
         image=image,
         engine={"contextLength": CONTEXT, "maxBatchSize": SEQUENCES, "minBatchSize": 1},
         prewarm={"enabled": prewarm},
