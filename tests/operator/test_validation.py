@@ -273,6 +273,10 @@ ACCEPT: list[tuple[str, Change]] = [
             }
         ),
     ),
+    (  # the longest resource name Kubernetes allows: a 253-character prefix, a 63-character name
+        "resource-name-longest",
+        spec(resources={"limits": {".".join(["a" * 63] * 4)[:253] + "/" + "b" * 63: 1}}),
+    ),
     ("pvc-source", path("spec.model.source", {"pvc": {"claimName": "m", "subPath": "gemma/v1"}})),
     ("image-source", path("spec.model.source", {"image": {"reference": "registry/models:gemma"}})),
     ("http-source", path("spec.model.source", HTTP)),

@@ -440,9 +440,9 @@ class ServerSpec(Wire):
     )
 
 
-# A Kubernetes resource name: an optional DNS-subdomain prefix and a name of at most 63
-# characters (cpu, memory, hugepages-2Mi, nvidia.com/gpu, ember.dev/npu). Checked at admission:
-# otherwise a typo passes here and surfaces only when the Deployment apply is refused.
+# A Kubernetes resource name: an optional DNS-subdomain prefix (at most 253 characters) and a
+# name of at most 63 (cpu, memory, hugepages-2Mi, nvidia.com/gpu, ember.dev/npu). Checked at
+# admission: otherwise a typo passes here and surfaces only when the Deployment apply is refused.
 _RESOURCE_NAME = (
     "^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
     "[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
@@ -456,7 +456,7 @@ def _resource_map(what: str) -> Any:
         description=f"Resource {what}.",
         json_schema_extra=rules(
             cel(
-                f"self.all(k, size(k) <= 253 && k.matches('{_RESOURCE_NAME}'))",
+                f"self.all(k, size(k) <= 317 && k.matches('{_RESOURCE_NAME}'))",
                 f"resources.{what} keys must be resource names such as cpu, memory or "
                 "nvidia.com/gpu",
             )
