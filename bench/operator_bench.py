@@ -50,10 +50,10 @@ from kubernetes import config
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
-from tests.cluster.cluster import Cluster
+from tests.cluster.cluster import COMPONENTS, Cluster
 from tests.cluster.fleet import node_manifest
 from tests.cluster.paths import state_dir
-from tests.cluster.procs import free_port
+from tests.cluster.procs import ProcessTable, free_port
 from tests.operator import rest
 from tests.operator.specs import fleet_manifest
 
@@ -87,24 +87,31 @@ def _drop_namespace(api: ApiClient, name: str, timeout: float = 600) -> float:
 
 
 def _cpu_of(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
+    """User + system CPU seconds of a live process (OSError once it is gone)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:
     """CPU seconds of the local cluster's processes (and the operator) over one phase: where a
-    phase's time goes on a 2-core machine. Empty with --kubeconfig (no local process table)."""
+    phase's time goes on a 2-core machine. Only processes in the local cluster's process table
+    are counted (none when it runs no cluster, e.g. with --kubeconfig)."""
 
     def __init__(self, extra: dict[str, int] | None = None) -> None:
-        pids = {p.stem: int(p.read_text()) for p in (state_dir() / "pids").glob("*.pid")}
-        self.pids = {**pids, **(extra or {})}
-        self.start = {name: _cpu_of(pid) for name, pid in self.pids.items()}
+        procs = ProcessTable(state_dir())
+        pids = {name: procs.pid(name) for name in COMPONENTS}
+        self.pids = {**{n: p for n, p in pids.items() if p is not None}, **(extra or {})}
+        self.start = {name: self._cpu(pid) for name, pid in self.pids.items()}
+
+    @staticmethod
+    def _cpu(pid: int) -> float:
+        try:
+            return _cpu_of(pid)
+        except OSError:  # gone mid-phase: its delta goes negative and is left out
+            return 0.0
 
     def used(self) -> dict[str, float]:
-        now = {name: _cpu_of(pid) - self.start[name] for name, pid in self.pids.items()}
+        now = {name: self._cpu(pid) - self.start[name] for name, pid in self.pids.items()}
         return {name: round(cpu, 1) for name, cpu in sorted(now.items()) if cpu >= 0.05}
 
 
@@ -266,8 +273,7 @@ class OperatorProcess:
         return self._status_mib("VmRSS")
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _cpu_of(self.proc.pid)
 
     def writes(self) -> dict[str, float]:
         """The operator's own counter, by kind/verb."""
