@@ -156,7 +156,9 @@ class ServerSettings(_Wire):
     api_key_file: str | None = Field(
         default=None, description="File holding the API key (mounted from apiKeySecretRef)."
     )
-    max_queue: int = Field(default=64, ge=1, description="Admission queue bound; beyond it 429.")
+    max_queue: int = Field(
+        default=64, ge=1, description="Requests waiting for a batch slot; beyond it 429."
+    )
     request_timeout_seconds: float = Field(default=300.0, gt=0)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
 

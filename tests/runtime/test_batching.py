@@ -14,7 +14,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from ember_runtime.engines.base import SamplingParams
+import pytest
+from ember_runtime.engines.base import QueueFullError, SamplingParams
 from ember_runtime.engines.llamacpp import LlamaCppEngine
 
 from tests.runtime.test_generation import PROMPTS as HTTP_PROMPTS
@@ -123,5 +124,23 @@ async def test_unified_pool_shares_a_running_prompt(model_path: Path) -> None:
         assert second.strip()
         assert total > shared + 3
         assert sum(seen) == total  # the head once, then only the tail: not shared + total
+    finally:
+        await engine.stop()
+
+
+async def test_queue_bound_does_not_count_a_request_a_free_slot_takes(model_path: Path) -> None:
+    # One slot, two queued: the third submit in a row is accepted whether or not the decode
+    # thread has taken the first yet (it counted as queued, so bursts got a spurious 429).
+    engine = LlamaCppEngine(model_path, context_length=256, capacity=4, threads=1, max_queue=2)
+    await engine.start()
+    engine.set_max_batch_size(1)
+    try:
+        tokens = engine.tokenize(PROMPTS[0], add_special=True)
+        params = SamplingParams(max_tokens=4)
+        streams = [engine.submit(tokens, params) for _ in range(3)]  # no await in between
+        with pytest.raises(QueueFullError):
+            engine.submit(tokens, params)
+        for stream in streams:
+            assert "".join([delta.text async for delta in stream])
     finally:
         await engine.stop()

@@ -10,6 +10,7 @@ from ember_runtime.engines.scheduler import (
     Policy,
     admissible,
     plan_step,
+    queued,
     split_active,
 )
 
@@ -106,6 +107,14 @@ def test_admission_fills_free_slots_up_to_the_limit() -> None:
     assert admissible(running=2, waiting=3, max_batch=8, free_slots=6) == 3
     assert admissible(running=6, waiting=3, max_batch=4, free_slots=2) == 0  # limit lowered
     assert admissible(running=0, waiting=3, max_batch=8, free_slots=0) == 0
+
+
+def test_queued_leaves_out_what_the_next_step_admits() -> None:
+    # the decode thread has not taken the first request yet, or it has: the same count
+    assert queued(running=0, waiting=3, max_batch=1, free_slots=4) == 2
+    assert queued(running=1, waiting=2, max_batch=1, free_slots=3) == 2
+    assert queued(running=2, waiting=1, max_batch=8, free_slots=6) == 0
+    assert queued(running=6, waiting=3, max_batch=4, free_slots=2) == 3  # limit lowered
 
 
 def test_lowered_limit_pauses_the_newest() -> None:

@@ -81,7 +81,14 @@ from ember_runtime.engines.base import (
     TopLogprob,
 )
 from ember_runtime.engines.chat import render_template
-from ember_runtime.engines.scheduler import Call, Policy, admissible, plan_step, split_active
+from ember_runtime.engines.scheduler import (
+    Call,
+    Policy,
+    admissible,
+    plan_step,
+    queued,
+    split_active,
+)
 from ember_runtime.engines.text import TextAssembler
 from ember_runtime.memory import DEFAULT_STEP_TOKENS, unified_kv
 
@@ -509,8 +516,11 @@ class LlamaCppEngine:
         with self._cond:
             if self._stopping:
                 raise EngineStoppingError("the engine is shutting down")
-            if len(self._pending) >= self._max_queue:
-                raise QueueFullError(len(self._pending))
+            waiting = queued(
+                len(self._running), len(self._pending), self._max_batch, len(self._free_ids)
+            )
+            if waiting >= self._max_queue:
+                raise QueueFullError(waiting)
         # Built here, on the event loop, so a grammar that llama.cpp cannot parse is the
         # client's 400 rather than an error delta later (it only reads the vocabulary).
         sampler = None if params.greedy and params.grammar is None else self._make_sampler(params)

@@ -99,6 +99,15 @@ def admissible(running: int, waiting: int, max_batch: int, free_slots: int) -> i
     return max(0, min(waiting, free_slots, max_batch - running))
 
 
+def queued(running: int, waiting: int, max_batch: int, free_slots: int) -> int:
+    """Waiting requests that the next step will not admit: what the admission bound counts.
+
+    A request that a free slot takes at the next step is not queued, whether or not the
+    decode thread has woken to take it yet, so a burst's 429s do not depend on that thread.
+    """
+    return waiting - admissible(running, waiting, max_batch, free_slots)
+
+
 def split_active(running: Sequence[S], max_batch: int) -> tuple[list[S], list[S]]:
     """(active, paused): the oldest `max_batch` take part in the step, the newest pause."""
     return list(running[:max_batch]), list(running[max_batch:])
