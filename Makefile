@@ -9,7 +9,8 @@ PY       := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
 APT_PKGS := containerd runc containernetworking-plugins debootstrap iproute2 \
             iptables util-linux gcc g++ libc6-dev cmake buildah
-# llama.cpp is compiled by pip (≈6 min once; pip caches the wheel).
+# llama.cpp is compiled once (≈6 min) into a wheel cached by version and compiler flags
+# (bench/llama_server_build.py --wheel); pip must install that wheel, never its own build.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 # `make images` / `make push`: names are $(REGISTRY)/ember-<name>:$(TAG), what the chart renders
 # from image.registry / image.tag (TAG defaults to the chart's appVersion, the chart's default).
@@ -42,10 +43,12 @@ apt: ## Debian packages the local cluster needs (root)
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml bench/llama_server_build.py
 	$(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	wheel=$$($(PY) bench/llama_server_build.py --wheel) && \
+	  $(PY) -m pip install -q --force-reinstall --no-deps "$$wheel"
+	$(PY) -m pip install -q --only-binary llama-cpp-python -e '.[dev]'
 	touch $@
 
 install: apt $(STAMP) protos ## Python env (.venv), Debian packages, generated gRPC stubs

@@ -1,14 +1,20 @@
-"""Build llama.cpp's own `llama-server` from the sources vendored in llama-cpp-python's sdist.
+"""Build llama.cpp twice from the sources vendored in llama-cpp-python's sdist, with one set of
+compiler flags: the Python bindings' wheel (the engine the venv runs) and llama.cpp's own
+`llama-server` (the runtime's peer in tests and bench).
 
-Same llama.cpp commit as the Python bindings Ember uses, so the benchmark compares servers, not
-llama.cpp versions. Cached under `${XDG_CACHE_HOME:-~/.cache}/ember/llama-server/`.
+Same llama.cpp commit and flags for both, so the benchmark compares servers, not llama.cpp
+builds. Both are cached under `${XDG_CACHE_HOME:-~/.cache}/ember/llama-server/`, keyed by the
+version and the flags, so a change to either rebuilds.
 
-    python bench/llama_server_build.py        # prints the binary's path
+    python bench/llama_server_build.py           # prints llama-server's path
+    python bench/llama_server_build.py --wheel   # prints the wheel's path
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import subprocess
 import sys
 import tarfile
@@ -24,6 +30,16 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DBUILD_SHARED_LIBS=OFF",
 ]
+# Native builds, minus Intel AMX: llama.cpp 0.3.36's AMX kernels run tile instructions on
+# threads that never asked the kernel for AMX state (and with a tile config the compiler may
+# drop), so on an AMX CPU (Sapphire Rapids and later) the first wide batch dies of SIGILL in
+# ggml_backend_amx_mul_mat (seen here; upstream: ggml-org/llama.cpp PR #26954, open).
+ARCH_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if platform.machine() == "x86_64" else ""
+
+
+def _build_key() -> str:
+    flags = "\0".join([VERSION, ARCH_CFLAGS, *CMAKE_FLAGS])
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
 def cache_root() -> Path:
@@ -31,29 +47,49 @@ def cache_root() -> Path:
     return Path(base) / "ember" / "llama-server"
 
 
-def _sources(root: Path) -> Path:
-    src = root / f"llama_cpp_python-{VERSION}"
-    if (src / "vendor" / "llama.cpp" / "CMakeLists.txt").exists():
-        return src
+def _sdist(root: Path) -> Path:
     sdist_dir = root / "sdist"
-    sdist_dir.mkdir(parents=True, exist_ok=True)
     archive = sdist_dir / f"llama_cpp_python-{VERSION}.tar.gz"
     if not archive.exists():
+        sdist_dir.mkdir(parents=True, exist_ok=True)
         pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
         subprocess.run([*pip, f"llama-cpp-python=={VERSION}", "-d", str(sdist_dir)], check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(root, filter="data")
+    return archive
+
+
+def _sources(root: Path) -> Path:
+    src = root / f"llama_cpp_python-{VERSION}"
+    if not (src / "vendor" / "llama.cpp" / "CMakeLists.txt").exists():
+        with tarfile.open(_sdist(root)) as tar:
+            tar.extractall(root, filter="data")
     return src
+
+
+def _env() -> dict[str, str]:
+    """The compiler flags as CFLAGS/CXXFLAGS: CMake and scikit-build-core both read them."""
+    return {**os.environ, "CFLAGS": ARCH_CFLAGS, "CXXFLAGS": ARCH_CFLAGS}
+
+
+def ensure_wheel() -> Path:
+    """The llama-cpp-python wheel built with ARCH_CFLAGS (the venv installs this file)."""
+    wheels = cache_root() / f"wheel-{_build_key()}"
+    pattern = f"llama_cpp_python-{VERSION}-*.whl"
+    if not any(wheels.glob(pattern)):
+        # pip's own wheel cache is keyed by the sdist, not the flags: build around it.
+        pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w"]
+        subprocess.run([*pip, str(wheels), str(_sdist(cache_root()))], check=True, env=_env())
+    return next(wheels.glob(pattern))
 
 
 def ensure_llama_server(jobs: int = 2) -> Path:
     root = cache_root()
-    binary = root / "build" / "bin" / "llama-server"
+    build = root / f"build-{_build_key()}"
+    binary = build / "bin" / "llama-server"
     if binary.exists():
         return binary
     llama_cpp = _sources(root) / "vendor" / "llama.cpp"
-    build = root / "build"
-    subprocess.run(["cmake", "-S", str(llama_cpp), "-B", str(build), *CMAKE_FLAGS], check=True)
+    cmake = ["cmake", "-S", str(llama_cpp), "-B", str(build), *CMAKE_FLAGS]
+    subprocess.run(cmake, check=True, env=_env())
     subprocess.run(
         ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], check=True
     )
@@ -63,4 +99,4 @@ def ensure_llama_server(jobs: int = 2) -> Path:
 
 
 if __name__ == "__main__":
-    print(ensure_llama_server())
+    print(ensure_wheel() if sys.argv[1:] == ["--wheel"] else ensure_llama_server())
