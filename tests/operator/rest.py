@@ -14,6 +14,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic.alias_generators import to_camel
 
 __all__ = [
+    "condition",
     "count_writes",
     "create",
     "delete",
@@ -22,6 +23,7 @@ __all__ = [
     "merge_patch",
     "path",
     "request",
+    "true_condition",
     "watch",
 ]
 
@@ -65,6 +67,18 @@ def create(api: ApiClient, kind: str, ns: str, body: dict[str, Any]) -> dict[str
 def delete(api: ApiClient, kind: str, ns: str, name: str, **query: str) -> None:
     params = [(k, v) for k, v in query.items()]
     request(api, "DELETE", path(kind, ns, name), query=params)
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    """`obj`'s status condition of type `kind`, whatever its status; {} when it has none."""
+    conds = ((obj or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c["type"] == kind), {})
+
+
+def true_condition(api: ApiClient, ns: str, name: str, kind: str) -> dict[str, Any] | None:
+    """The InferenceDeployment's condition `kind` while it is True, else None (a wait probe)."""
+    found = condition(get(api, "infd", ns, name), kind)
+    return found if found.get("status") == "True" else None
 
 
 def merge_patch(api: ApiClient, kind: str, ns: str, name: str, body: dict[str, Any]) -> None:

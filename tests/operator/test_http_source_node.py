@@ -263,9 +263,7 @@ def test_a_slow_download_shows_the_nodes_bytes_and_eta_then_serves(
         rest.create(kube.api, "infd", namespace, _infd(image, "slow", url, MODEL_SHA256, size))
 
         def condition(kind: str) -> dict[str, Any]:
-            obj = rest.get(kube.api, "infd", namespace, "slow") or {}
-            conds = (obj.get("status") or {}).get("conditions") or []
-            return next((c for c in conds if c["type"] == kind), {})
+            return rest.condition(rest.get(kube.api, "infd", namespace, "slow"), kind)
 
         def degraded() -> dict[str, Any]:
             return condition("Degraded")

@@ -73,13 +73,6 @@ def _infd(image: str, name: str, directory: Path, size: int) -> dict[str, Any]:
     )
 
 
-def _degraded(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
-    obj = rest.get(kube.api, "infd", namespace, name) or {}
-    conds = (obj.get("status") or {}).get("conditions") or []
-    found = next((c for c in conds if c["type"] == "Degraded"), None)
-    return found if found and found["status"] == "True" else None
-
-
 def _warnings(kube: Kube, namespace: str, name: str, reason: str) -> list[dict[str, Any]]:
     """The Warning Events about `name` with `reason`. Filtered by reason: on a busy node the
     replica may first wait for room (`Unschedulable`, its own Event); one per change is the
@@ -103,7 +96,7 @@ def test_corrupted_model_byte_shows_checksum_mismatch(
         return cols if cols["STATUS"] == "ChecksumMismatch" else None
 
     wait_for("STATUS ChecksumMismatch", status_column, timeout=240, interval=1)
-    degraded = _degraded(kube, namespace, "corrupt")
+    degraded = rest.true_condition(kube.api, namespace, "corrupt", "Degraded")
     assert degraded is not None and degraded["reason"] == "ChecksumMismatch"
     detail = f"{MODEL_FILENAME} expected {MODEL_SHA256[:12]}… got {got[:12]}…"
     assert degraded["message"].endswith(detail), degraded
@@ -126,7 +119,11 @@ def test_missing_model_directory_shows_the_kubelets_mount_failure(
     rest.create(kube.api, "infd", namespace, _infd(runtime_image, "nodir", model_dir, 1 << 20))
     degraded = wait_for(
         "Degraded FailedMount",
-        lambda: (d := _degraded(kube, namespace, "nodir")) and d["reason"] == "FailedMount" and d,
+        lambda: (
+            (d := rest.true_condition(kube.api, namespace, "nodir", "Degraded"))
+            and d["reason"] == "FailedMount"
+            and d
+        ),
         timeout=120,
         interval=1,
     )

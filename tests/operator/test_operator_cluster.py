@@ -71,16 +71,11 @@ def _config_hash(kube: Any, ns: str, name: str) -> str | None:
     return _pod_template(dep)["metadata"]["annotations"]["ember.dev/config-hash"] if dep else None
 
 
-def _condition(obj: dict[str, Any], ctype: str) -> dict[str, Any]:
-    conds = (obj.get("status") or {}).get("conditions") or []
-    return next((c for c in conds if c["type"] == ctype), {})
-
-
 def _ready(kube: Any, ns: str, name: str) -> bool:
     obj = _infd(kube, ns, name)
     st = obj.get("status") or {}
     return (
-        _condition(obj, "Ready").get("status") == "True"
+        rest.condition(obj, "Ready").get("status") == "True"
         and st.get("observedGeneration") == obj["metadata"]["generation"]
         and st.get("readyReplicas") == obj["spec"]["replicas"]
     )
@@ -194,7 +189,7 @@ def test_a_refused_child_is_reported_and_retried_until_it_fits(
     rest.create(kube.api, "infd", namespace, manifest("quota"))
 
     def rejected() -> dict[str, Any] | None:
-        degraded = _condition(_infd(kube, namespace, "quota"), "Degraded")
+        degraded = rest.condition(_infd(kube, namespace, "quota"), "Degraded")
         return degraded if degraded.get("reason") == "ApplyRejected" else None
 
     assert "exceeded quota" in wait_for("rejected", rejected)["message"]
@@ -279,8 +274,8 @@ def test_sites_spread_and_ready(kube: Any, namespace: str, operator: Any, nodes:
     assert sorted(node_site[p["spec"]["nodeName"]] for p in pods) == SITES
     obj = _infd(kube, namespace, "zeta")
     assert obj["status"]["readyReplicas"] == 3 and obj["status"]["ready"] == "3/3"
-    assert _condition(obj, "Progressing")["status"] == "False"
-    assert _condition(obj, "Degraded")["status"] == "False"
+    assert rest.condition(obj, "Progressing")["status"] == "False"
+    assert rest.condition(obj, "Degraded")["status"] == "False"
     rows = obj["status"]["replicaStatuses"]
     assert sorted(r["pod"] for r in rows) == sorted(p["metadata"]["name"] for p in pods)
     assert all(r["node"] in node_site and r["phase"] == "Running" for r in rows)
@@ -310,13 +305,13 @@ def test_unservable_spec_becomes_a_condition_not_a_loop(
 
     def degraded_object() -> dict[str, Any] | None:
         obj = _infd(kube, namespace, "bad")
-        return obj if _condition(obj, "Degraded").get("status") == "True" else None
+        return obj if rest.condition(obj, "Degraded").get("status") == "True" else None
 
     obj = wait_for("degraded", degraded_object)
-    degraded = _condition(obj, "Degraded")
+    degraded = rest.condition(obj, "Degraded")
     assert degraded["reason"] == "SharedMemoryTooSmall"
     assert "sharedMemoryLimit" in degraded["message"]
-    assert _condition(obj, "Ready")["status"] == "False"
+    assert rest.condition(obj, "Ready")["status"] == "False"
     assert obj["status"]["reason"] == "SharedMemoryTooSmall"
     assert _children(kube, namespace)["Deployment"] == []  # nothing that would crash-loop
     events = rest.items(kube.api, "events", namespace, field_selector="involvedObject.name=bad")
@@ -332,7 +327,7 @@ def test_unservable_spec_becomes_a_condition_not_a_loop(
     wait_for(
         "fixed",
         lambda: (
-            _condition(_infd(kube, namespace, "bad"), "Degraded").get("reason")
+            rest.condition(_infd(kube, namespace, "bad"), "Degraded").get("reason")
             != "SharedMemoryTooSmall"
         ),
     )
@@ -516,7 +511,7 @@ def test_http_source_prefers_cached_nodes_and_shows_each_nodes_download(
     assert "0.6 of 3.4 GB in the node cache, ETA 4m40s" in both
     wait_for(
         "both nodes listed",
-        lambda: _condition(_infd(kube, namespace, "dl"), "Degraded").get("message") == both,
+        lambda: rest.condition(_infd(kube, namespace, "dl"), "Degraded").get("message") == both,
         timeout=30,
     )
     obj = _infd(kube, namespace, "dl")
@@ -542,7 +537,7 @@ def test_http_source_prefers_cached_nodes_and_shows_each_nodes_download(
     one = f"1 node waits for the model: {rest_node}"
     wait_for(
         "one node left",
-        lambda: _condition(_infd(kube, namespace, "dl"), "Degraded").get("message") == one,
+        lambda: rest.condition(_infd(kube, namespace, "dl"), "Degraded").get("message") == one,
         timeout=30,
     )
     wait_for("the next Event", lambda: len(downloading()) > before, timeout=30)

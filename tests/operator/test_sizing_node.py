@@ -62,13 +62,6 @@ def _infd(
     )
 
 
-def _condition(kube: Kube, namespace: str, name: str, kind: str) -> dict[str, Any] | None:
-    obj = rest.get(kube.api, "infd", namespace, name) or {}
-    conds = (obj.get("status") or {}).get("conditions") or []
-    found = next((c for c in conds if c["type"] == kind), None)
-    return found if found and found["status"] == "True" else None
-
-
 def _port_forward(
     kube: Kube, service: str, namespace: str
 ) -> contextlib.AbstractContextManager[int]:
@@ -87,12 +80,12 @@ FATAL = {reasons.OOM_KILLED, reasons.ENGINE_MEMORY_OVER_LIMIT, reasons.CRASH_LOO
 
 def _ready_or_fail(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
     """The Ready condition once True; fails at once, saying why, on a reason that is final."""
-    degraded = _condition(kube, namespace, name, "Degraded")
+    degraded = rest.true_condition(kube.api, namespace, name, "Degraded")
     if degraded is not None and degraded["reason"] in FATAL:
         pods = rest.items(kube.api, "pods", namespace, label_selector=f"ember.dev/instance={name}")
         statuses = [p["status"].get("containerStatuses") for p in pods]
         pytest.fail(f"Degraded: {json.dumps(degraded)}\n{json.dumps(statuses, indent=1)}")
-    return _condition(kube, namespace, name, "Ready")
+    return rest.true_condition(kube.api, namespace, name, "Ready")
 
 
 def _runtime_status(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
@@ -159,7 +152,7 @@ def test_limit_below_the_rule_reports_the_reason(
     degraded = wait_for(
         "Degraded EngineMemoryOverLimit",
         lambda: (
-            (d := _condition(kube, namespace, "small", "Degraded"))
+            (d := rest.true_condition(kube.api, namespace, "small", "Degraded"))
             and d["reason"] == "EngineMemoryOverLimit"
             and d
         ),
