@@ -246,15 +246,35 @@ def chunk_text(chunk: dict[str, object]) -> str:
     return text if isinstance(text, str) else ""
 
 
+def cpu_model() -> str:
+    """The CPU's model name: figures from one machine kind do not carry to another."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return "unknown CPU"
+
+
+async def _send(client: httpx.AsyncClient, path: str, body: dict[str, object]) -> httpx.Response:
+    """POST, streaming; sent again once if the server had closed the kept-alive connection
+    before answering. llama-server's HTTP library closes an idle or often-used one (at 1 client
+    it lost 14 of 48 requests that way); clients resend such a request (the OpenAI SDK does)."""
+    request = client.build_request("POST", path, json=body)
+    try:
+        return await client.send(request, stream=True)
+    except httpx.RemoteProtocolError:  # "Server disconnected without sending a response"
+        return await client.send(client.build_request("POST", path, json=body), stream=True)
+
+
 async def one_request(
     client: httpx.AsyncClient, path: str, body: dict[str, object]
 ) -> RequestStats:
-    began = time.perf_counter()
+    began = time.perf_counter()  # a resent request's lost time stays in its TTFT
     last: float | None = None
     ttft = 0.0
     gaps: list[float] = []
     tokens = 0
-    async with client.stream("POST", path, json=body) as response:
+    response = await _send(client, path, body)
+    try:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -268,6 +288,8 @@ async def one_request(
                 gaps.append(now - last)
             last = now
             tokens += 1
+    finally:
+        await response.aclose()
     return RequestStats(ttft, gaps, tokens)
 
 
@@ -626,7 +648,7 @@ def main() -> None:
     command = "python bench/runtime_bench.py " + " ".join(sys.argv[1:])
     report = "\n".join(
         [
-            f"`{command}` (threads {args.threads}, {os.cpu_count()} CPUs, context "
+            f"`{command}` (threads {args.threads}, {os.cpu_count()} CPUs: {cpu_model()}; context "
             f"{CTX_PER_SEQ} per sequence, {SLOTS} slots; llama-server "
             f"`-np {SLOTS} -c {CTX_PER_SEQ * SLOTS} -kvu "
             f"--cache-ram {LLAMA_SERVER_CACHE_RAM_MIB}`); {loads}",
@@ -643,6 +665,7 @@ def main() -> None:
     (RESULTS / f"{args.name}.md").write_text(report + "\n")
     summary = {
         "command": command,
+        "cpu": cpu_model(),
         "raw_decode_tok_s": raw,
         "raw_decode_no_repack_tok_s": raw_plain,
         "peak_rss_bytes": rss,
