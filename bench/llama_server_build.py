@@ -37,6 +37,12 @@ CMAKE_FLAGS = [
 ARCH_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if platform.machine() == "x86_64" else ""
 
 
+def _run(argv: list[str], env: dict[str, str] | None = None) -> None:
+    """A build step whose output goes to stderr: stdout carries only the path this prints (the
+    Makefile reads it), and a fresh machine's pip and cmake say a lot."""
+    subprocess.run(argv, check=True, env=env, stdout=sys.stderr)
+
+
 def _build_key() -> str:
     flags = "\0".join([VERSION, ARCH_CFLAGS, *CMAKE_FLAGS])
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
@@ -53,7 +59,7 @@ def _sdist(root: Path) -> Path:
     if not archive.exists():
         sdist_dir.mkdir(parents=True, exist_ok=True)
         pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        subprocess.run([*pip, f"llama-cpp-python=={VERSION}", "-d", str(sdist_dir)], check=True)
+        _run([*pip, f"llama-cpp-python=={VERSION}", "-d", str(sdist_dir)])
     return archive
 
 
@@ -77,7 +83,7 @@ def ensure_wheel() -> Path:
     if not any(wheels.glob(pattern)):
         # pip's own wheel cache is keyed by the sdist, not the flags: build around it.
         pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w"]
-        subprocess.run([*pip, str(wheels), str(_sdist(cache_root()))], check=True, env=_env())
+        _run([*pip, str(wheels), str(_sdist(cache_root()))], env=_env())
     return next(wheels.glob(pattern))
 
 
@@ -89,10 +95,8 @@ def ensure_llama_server(jobs: int = 2) -> Path:
         return binary
     llama_cpp = _sources(root) / "vendor" / "llama.cpp"
     cmake = ["cmake", "-S", str(llama_cpp), "-B", str(build), *CMAKE_FLAGS]
-    subprocess.run(cmake, check=True, env=_env())
-    subprocess.run(
-        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], check=True
-    )
+    _run(cmake, env=_env())
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)])
     if not binary.exists():
         raise FileNotFoundError(f"the build finished but {binary} is missing")
     return binary
