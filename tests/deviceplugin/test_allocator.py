@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 from pathlib import Path
@@ -148,3 +150,86 @@ def test_stale_snapshot_never_binds_to_the_previous_holder(tmp_path: Path) -> No
     assert live.contexts == {"davinci0": 1} and live.owner is None  # not bound to ns/old/c
     alloc.reconcile({"ns/new/c": frozenset({"davinci0-ctx0"})}, grace=1000)
     assert [a.owner for a in alloc.live()] == ["ns/new/c"]
+
+
+def _alloc_on(path: Path, ids: int = 100) -> ContextAllocator:
+    return ContextAllocator(Checkpoint(path), id_space=ids, node_ordinal=None)
+
+
+def _count_layouts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    layouts: list[int] = []
+    lay_out = Checkpoint._lay_out
+
+    def counted(self: Checkpoint, record: bytes) -> None:
+        layouts.append(len(record))
+        lay_out(self, record)
+
+    monkeypatch.setattr(Checkpoint, "_lay_out", counted)
+    return layouts
+
+
+def test_checkpoint_log_overwrites_laid_out_space_and_lays_out_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Checkpoint, "MIN_SPACE", 4096)
+    monkeypatch.setattr(Checkpoint, "RECORDS_PER_LAYOUT", 8)
+    layouts = _count_layouts(monkeypatch)
+    path = tmp_path / "a.json"
+    alloc = _alloc_on(path)
+    alloc.allocate([["davinci0-ctx0"]])
+    size = path.stat().st_size
+    for i in range(1, 4):  # records go into the laid-out zeros: no new layout, same size
+        alloc.allocate([[f"davinci0-ctx{i}"]])
+        assert (len(layouts), path.stat().st_size) == (1, size)
+    assert _alloc_on(path).live_ids() == {0, 1, 2, 3}
+    for i in range(200):  # far more records than one layout holds
+        alloc.allocate([[f"davinci1-ctx{i % 3}"]])
+    assert len(layouts) > 5
+    assert _alloc_on(path).live_ids() == alloc.live_ids()
+    assert not list(tmp_path.glob(".a.json.*"))
+
+
+def test_torn_last_record_is_dropped_and_the_log_laid_out_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layouts = _count_layouts(monkeypatch)
+    path = tmp_path / "a.json"
+    alloc = _alloc_on(path)
+    alloc.allocate([["davinci0-ctx0"]])
+    alloc.allocate([["davinci0-ctx1"]])  # the write a crash tears
+    raw = path.read_bytes()
+    second = raw.index(b"\nv2 ") + 1
+    path.write_bytes(raw[: second + 40] + bytes(len(raw) - second - 40))  # a prefix, then zeros
+    again = _alloc_on(path)
+    assert again.live_ids() == {0}  # the torn Allocate was never answered
+    layouts.clear()
+    again.allocate([["davinci1-ctx0"]])
+    assert len(layouts) == 1  # laid out anew, never written behind torn bytes
+    assert _alloc_on(path).live_ids() == {0, 1}
+
+
+def test_bad_record_with_more_after_it_refuses_to_load(tmp_path: Path) -> None:
+    path = tmp_path / "a.json"
+    alloc = _alloc_on(path)
+    alloc.allocate([["davinci0-ctx0"]])
+    alloc.allocate([["davinci0-ctx1"]])
+    raw = bytearray(path.read_bytes())
+    raw[10] ^= 0x01  # a flipped bit in the first record's checksum
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="more after it"):
+        _alloc_on(path)
+
+
+def test_version_1_checkpoint_is_read_and_rewritten_as_a_log(tmp_path: Path) -> None:
+    path = tmp_path / "a.json"
+    body = (
+        b'{"cursor":5,"allocations":[{"contexts":{"davinci0":4},"units":["davinci0-ctx0"],'
+        b'"created_at":1.0,"owner":"ns/p/c"}]}'
+    )
+    header = json.dumps({"version": 1, "checksum": hashlib.sha256(body).hexdigest()})
+    path.write_bytes(header.encode() + b"\n" + body)
+    alloc = _alloc_on(path)
+    assert alloc.live_ids() == {4}
+    assert alloc.allocate([["davinci1-ctx0"]])[0].contexts == {"davinci1": 5}  # cursor kept
+    assert path.read_bytes().startswith(b"v2 ")
+    assert _alloc_on(path).live_ids() == {4, 5}

@@ -2,9 +2,9 @@
 
 Every Allocate gets one context ID per physical NPU it touches. An ID stays live until
 PodResources shows that the container holding it is gone (see `reconcile`), and the live set is
-checkpointed (temp file, fsync, rename, fsync dir) *before* Allocate answers, so a plugin that is
-SIGKILLed and restarted never re-issues a live ID. IDs are issued round-robin from a cursor that
-is checkpointed too, so a released ID is reused as late as possible.
+checkpointed durably (see `Checkpoint`) *before* Allocate answers, so a plugin that is SIGKILLed
+and restarted, or a node that reboots, never re-issues a live ID. IDs are issued round-robin from
+a cursor that is checkpointed too, so a released ID is reused as late as possible.
 
 With a node ordinal, IDs are `ordinal * id_space + n`: disjoint ranges, unique across the fleet.
 """
@@ -20,14 +20,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from .discovery import parse_unit_id
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_VERSION = 1
 
 
 class AllocationError(Exception):
@@ -42,18 +41,34 @@ class CheckpointError(Exception):
     """The checkpoint exists but cannot be trusted; starting empty could re-issue live IDs."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Allocation:
-    """The context IDs handed to one container, and what we know about its owner."""
+    """The context IDs handed to one container, and what we know about its owner.
+
+    Never changed once made (binding an owner makes a new one), so what is derived from it is
+    computed once: every checkpoint write serialises every live allocation, and encoding a
+    node's 64 of them afresh took 0.2 ms of the GIL per Allocate batch.
+    """
 
     contexts: dict[str, int]  # device name -> global context ID
     units: list[str]  # the kubelet unit IDs of the container request
     created_at: float  # wall clock: it must mean the same after a restart
     owner: str | None = None  # "namespace/pod/container" once PodResources has shown it
 
-    @property
+    @cached_property
     def unit_set(self) -> frozenset[str]:
         return frozenset(self.units)
+
+    @cached_property
+    def encoded(self) -> bytes:
+        """This allocation as a checkpoint record lists it (JSON)."""
+        fields = {
+            "contexts": self.contexts,
+            "units": self.units,
+            "created_at": self.created_at,
+            "owner": self.owner,
+        }
+        return json.dumps(fields, separators=(",", ":")).encode()
 
 
 @dataclass
@@ -63,10 +78,37 @@ class _State:
 
 
 class Checkpoint:
-    """The allocator's state on disk, with a checksum; written atomically."""
+    """The allocator's state on disk: a log of checksummed snapshots, one durable write each.
+
+    Each save is one `pwrite` of a line `v2 <sha256 of body> <body>` into space the log already
+    holds (zeros written and fsync'd when the log was laid out), on a descriptor opened with
+    O_DSYNC: the write returns once the bytes are on the device, and since it neither grows the
+    file nor creates one, no metadata has to follow. That is one device flush per Allocate batch
+    where a temp file, fsync, rename and directory fsync cost two flushes and four more system
+    calls (measured on this machine kind: 0.12 vs 0.7 ms median). The newest valid record is
+    the state. When the space is used up (or the file is new, or of the version-1 format,
+    written whole on every save), the log is laid out again the old way: a temp file holding
+    the current record and zeros, fsync, rename, directory fsync.
+
+    A crash during a pwrite can leave the last record torn: it was never acknowledged (Allocate
+    answers after the write returns), so it is dropped, and the next save lays the log out
+    afresh. A bad record with a record or any other bytes after it is corruption, not a tear:
+    the plugin refuses to start rather than guess which IDs are live.
+    """
+
+    # Space for this many records of the current size (at least MIN_SPACE bytes) before the log
+    # is laid out again. Laying out costs about as much as one old-style save up to ~512 KiB and
+    # grows with the size after that (here: 1.3 ms median at 512 KiB, 3.3 ms at 2 MiB with
+    # outliers to 57 ms), and every Allocate in flight waits for it: many small layouts, not few
+    # big ones. A node of 16 NPUs x 4 contexts writes 6.6 KB records: 420 KB every 64 batches.
+    RECORDS_PER_LAYOUT = 64
+    MIN_SPACE = 64 << 10
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._fd: int | None = None
+        self._offset = 0  # where the next record goes
+        self._space = 0  # bytes of zeros laid out from offset 0
 
     def load(self) -> _State:
         try:
@@ -74,63 +116,64 @@ class Checkpoint:
         except FileNotFoundError:
             return _State()
         try:
-            header_line, _, body = raw.partition(b"\n")
-            header = json.loads(header_line)
-            if header.get("version") != CHECKPOINT_VERSION:
-                raise CheckpointError(f"unsupported checkpoint version {header.get('version')!r}")
-            if header.get("checksum") != hashlib.sha256(body).hexdigest():
-                raise CheckpointError("checksum mismatch")
-            data = json.loads(body)
-            allocations = [Allocation(**a) for a in data["allocations"]]
-            return _State(cursor=int(data["cursor"]), allocations=allocations)
+            if raw.startswith(b"{"):
+                return _state_of(_v1_body(raw))
+            return _state_of(_last_record(raw))
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint {self.path} is not usable: {exc}") from exc
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"checkpoint {self.path} is corrupt: {exc!r}") from exc
 
     def save(self, state: _State) -> None:
-        # Two lines: a header with the checksum of the body, then the body. Plain dicts rather
-        # than dataclasses.asdict: this runs on every Allocate and asdict deep-copies.
-        body = json.dumps(
-            {
-                "cursor": state.cursor,
-                "allocations": [
-                    {
-                        "contexts": a.contexts,
-                        "units": a.units,
-                        "created_at": a.created_at,
-                        "owner": a.owner,
-                    }
-                    for a in state.allocations
-                ],
-            },
-            separators=(",", ":"),
-        ).encode()
-        header = {"version": CHECKPOINT_VERSION, "checksum": hashlib.sha256(body).hexdigest()}
-        payload = json.dumps(header).encode() + b"\n" + body
+        """The state is on the device when this returns; raises OSError if it is not."""
+        record = _record(state)
+        if self._fd is None or self._offset + len(record) > self._space:
+            self._lay_out(record)
+            return
+        try:
+            written = os.pwrite(self._fd, record, self._offset)
+            if written != len(record):  # only a device error does this to a regular file
+                raise OSError(f"short write to {self.path}: {written} of {len(record)} bytes")
+        except BaseException:
+            self.close()  # a part of the record may be there: the next save lays out anew
+            raise
+        self._offset += len(record)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self._offset, self._space = None, 0, 0
+
+    def _lay_out(self, record: bytes) -> None:
+        self.close()
+        space = max(self.MIN_SPACE, len(record) * self.RECORDS_PER_LAYOUT)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One fixed temp name: the allocator's lock serialises writers in this process, and a
-        # SIGKILLed predecessor's leftover is simply truncated (mkstemp's random name cost more
-        # than the write itself).
+        # SIGKILLed predecessor's leftover is simply truncated.
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             try:
-                view = memoryview(payload)
-                while view:  # a regular file takes it in one go unless the disk is full
-                    view = view[os.write(fd, view) :]
+                _write_all(fd, record + bytes(space - len(record)))
                 os.fsync(fd)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
             os.replace(tmp, self.path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)  # make the rename itself durable
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # make the rename itself durable
+            finally:
+                os.close(dir_fd)
+            # The same open file, now synchronous for data: records overwrite laid-out zeros.
+            sync_fd = os.open(self.path, os.O_WRONLY | os.O_DSYNC | os.O_CLOEXEC)
         finally:
-            os.close(dir_fd)
+            os.close(fd)
+        self._fd, self._offset, self._space = sync_fd, len(record), space
 
     def read_live(self) -> list[dict[str, Any]]:
         """The allocations as stored (for tools and tests), after checking the checksum."""
@@ -138,6 +181,55 @@ class Checkpoint:
             {"contexts": a.contexts, "units": a.units, "owner": a.owner}
             for a in self.load().allocations
         ]
+
+
+def _record(state: _State) -> bytes:
+    allocations = b",".join(a.encoded for a in state.allocations)
+    body = b'{"cursor":%d,"allocations":[%b]}' % (state.cursor, allocations)
+    return b"v2 " + hashlib.sha256(body).hexdigest().encode() + b" " + body + b"\n"
+
+
+def _last_record(raw: bytes) -> bytes:
+    """The body of the newest valid record of a version-2 log (see `Checkpoint`)."""
+    body: bytes | None = None
+    at = 0
+    while at < len(raw) and raw[at] != 0:  # zeros: space no record has used yet
+        end = raw.find(b"\n", at)
+        line = raw[at : len(raw) if end < 0 else end]
+        magic, _, rest = line.partition(b" ")
+        digest, _, candidate = rest.partition(b" ")
+        if end < 0 or magic != b"v2" or hashlib.sha256(candidate).hexdigest().encode() != digest:
+            if end >= 0 and raw[end + 1 :].strip(b"\0"):
+                raise CheckpointError(f"bad record at byte {at} with more after it")
+            log.warning("dropping a torn checkpoint record at byte %d (never acknowledged)", at)
+            break
+        body, at = candidate, end + 1
+    if body is None:
+        raise CheckpointError("no valid record")
+    return body
+
+
+def _v1_body(raw: bytes) -> bytes:
+    """The body of a version-1 checkpoint (a header line with its checksum, then the body)."""
+    header_line, _, body = raw.partition(b"\n")
+    header = json.loads(header_line)
+    if header.get("version") != 1:
+        raise CheckpointError(f"unsupported checkpoint version {header.get('version')!r}")
+    if header.get("checksum") != hashlib.sha256(body).hexdigest():
+        raise CheckpointError("checksum mismatch")
+    return body
+
+
+def _state_of(body: bytes) -> _State:
+    data = json.loads(body)
+    allocations = [Allocation(**a) for a in data["allocations"]]
+    return _State(cursor=int(data["cursor"]), allocations=allocations)
+
+
+def _write_all(fd: int, payload: bytes) -> None:
+    view = memoryview(payload)
+    while view:  # a regular file takes it in one go unless the disk is full
+        view = view[os.write(fd, view) :]
 
 
 class ContextAllocator:
@@ -158,6 +250,11 @@ class ContextAllocator:
         self._lock = threading.Lock()
         self._state = checkpoint.load()
         self._live = {cid for a in self._state.allocations for cid in a.contexts.values()}
+
+    def close(self) -> None:
+        """Close the checkpoint's descriptor; a later write opens it again."""
+        with self._lock:
+            self._checkpoint.close()
 
     @property
     def id_range(self) -> range:

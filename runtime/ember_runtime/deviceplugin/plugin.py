@@ -89,6 +89,7 @@ class NpuDevicePlugin:
                 await task
         self._tasks.clear()
         await self.server.stop()
+        self.allocator.close()
         self.metrics.close()
 
     async def _on_kubelet_restart(self) -> None:
