@@ -151,29 +151,25 @@ class Checkpoint:
         # One fixed temp name: the allocator's lock serialises writers in this process, and a
         # SIGKILLed predecessor's leftover is simply truncated.
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             try:
                 _write_all(fd, record + bytes(space - len(record)))
                 os.fsync(fd)
-            except BaseException:
+            finally:
                 os.close(fd)
-                raise
             os.replace(tmp, self.path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
         try:
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)  # make the rename itself durable
-            finally:
-                os.close(dir_fd)
-            # The same open file, now synchronous for data: records overwrite laid-out zeros.
-            sync_fd = os.open(self.path, os.O_WRONLY | os.O_DSYNC | os.O_CLOEXEC)
+            os.fsync(dir_fd)  # make the rename itself durable
         finally:
-            os.close(fd)
-        self._fd, self._offset, self._space = sync_fd, len(record), space
+            os.close(dir_fd)
+        # Synchronous for data from now on: records overwrite the laid-out zeros.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_DSYNC | os.O_CLOEXEC)
+        self._offset, self._space = len(record), space
 
     def read_live(self) -> list[dict[str, Any]]:
         """The allocations as stored (for tools and tests), after checking the checksum."""
