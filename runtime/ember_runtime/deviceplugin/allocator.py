@@ -24,6 +24,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from ..durable import fsync_dir
 from .discovery import parse_unit_id
 
 log = logging.getLogger(__name__)
@@ -162,11 +163,7 @@ class Checkpoint:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
+        fsync_dir(self.path.parent)  # make the rename itself durable
         # Synchronous for data from now on: records overwrite the laid-out zeros.
         self._fd = os.open(self.path, os.O_WRONLY | os.O_DSYNC | os.O_CLOEXEC)
         self._offset, self._space = len(record), space

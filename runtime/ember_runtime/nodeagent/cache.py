@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from ember_runtime import reasons
+from ember_runtime.durable import fsync_dir
 from ember_runtime.nodeagent.ratelimit import TokenBucket
-from ember_runtime.prewarm.manifest import fsync_dir
 
 log = logging.getLogger("ember_runtime.nodeagent.cache")
 

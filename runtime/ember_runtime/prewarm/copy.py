@@ -24,8 +24,9 @@ from pathlib import Path
 
 from ember_runtime import reasons
 from ember_runtime.config import ModelFile
+from ember_runtime.durable import fsync_dir
 from ember_runtime.prewarm.errors import ChecksumMismatch, Interrupted, PrewarmError, SizeMismatch
-from ember_runtime.prewarm.manifest import ManifestEntry, fsync_dir
+from ember_runtime.prewarm.manifest import ManifestEntry
 from ember_runtime.prewarm.progress import Progress
 
 PARTIAL_MARKER = ".partial-"

@@ -23,6 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ember_runtime.config import ModelFile, RuntimeConfig
+from ember_runtime.durable import fsync_dir
 
 MANIFEST_NAME = ".ember-prewarm.json"
 MANIFEST_VERSION = 1
@@ -74,14 +75,6 @@ def remove_manifest(target_dir: Path) -> None:
     """Invalidate the target before touching its files, so no reader trusts a half-updated set."""
     (target_dir / MANIFEST_NAME).unlink(missing_ok=True)
     fsync_dir(target_dir)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def manifest_matches(config: RuntimeConfig, target_dir: Path) -> bool:

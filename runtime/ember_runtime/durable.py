@@ -1,0 +1,16 @@
+"""Small helpers for writes that must survive a crash or a power cut (prewarm's files and
+manifest, the node agent's cache, the device plugin's checkpoint)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of `path` (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
