@@ -646,9 +646,10 @@ def main() -> None:
         f"after {'/'.join(f'{x:.2f}' for x in load_after)}"
     )
     command = "python bench/runtime_bench.py " + " ".join(sys.argv[1:])
+    cpu = cpu_model()
     report = "\n".join(
         [
-            f"`{command}` (threads {args.threads}, {os.cpu_count()} CPUs: {cpu_model()}; context "
+            f"`{command}` (threads {args.threads}, {os.cpu_count()} CPUs: {cpu}; context "
             f"{CTX_PER_SEQ} per sequence, {SLOTS} slots; llama-server "
             f"`-np {SLOTS} -c {CTX_PER_SEQ * SLOTS} -kvu "
             f"--cache-ram {LLAMA_SERVER_CACHE_RAM_MIB}`); {loads}",
@@ -665,7 +666,7 @@ def main() -> None:
     (RESULTS / f"{args.name}.md").write_text(report + "\n")
     summary = {
         "command": command,
-        "cpu": cpu_model(),
+        "cpu": cpu,
         "raw_decode_tok_s": raw,
         "raw_decode_no_repack_tok_s": raw_plain,
         "peak_rss_bytes": rss,
