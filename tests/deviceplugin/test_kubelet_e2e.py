@@ -44,7 +44,11 @@ def test_real_kubelet_allocates_and_releases_contexts(
                     "name": "main",
                     "image": node.base_image,
                     "imagePullPolicy": "Never",
-                    "command": ["/bin/sh", "-c", "env; ls -l /dev/davinci*; sleep 3600"],
+                    "command": [
+                        "/bin/sh",
+                        "-c",
+                        "env; ls -l /dev/davinci*; echo LISTED; sleep 3600",
+                    ],
                     "resources": {"limits": {RESOURCE: "1"}},
                 }
             ],
@@ -59,7 +63,9 @@ def test_real_kubelet_allocates_and_releases_contexts(
         if phase != "Running":
             return None
         text: str = core.read_namespaced_pod_log("npu-env", namespace)
-        return text if "ACL_CONTEXT_ID=" in text else None
+        # Read once the listing is complete: a read between `env` and `ls` (seen in CI) has
+        # the environment but not yet the device nodes.
+        return text if "\nLISTED\n" in text else None
 
     text = wait_for("the pod's env in its log", logs, 120)
     ctx = re.search(r"^ACL_CONTEXT_ID=(\d+)$", text, re.M)
