@@ -39,6 +39,7 @@ import grpc  # noqa: E402
 from ember_runtime.deviceplugin.api import api_pb2 as pb  # noqa: E402
 from ember_runtime.deviceplugin.api import api_pb2_grpc as pb_grpc  # noqa: E402
 
+from bench.machine import steal_seconds  # noqa: E402
 from tests.deviceplugin.harness import (  # noqa: E402
     FakePod,
     KubeletHarness,
@@ -303,6 +304,7 @@ async def with_target(
 
 async def main(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()
+    steal_before = steal_seconds()
     big: dict[str, Any] = {"contexts_per_device": LAT_CONTEXTS, "reconcile_interval_seconds": 0.2}
     churn = {"contexts_per_device": 4, "id_space": 16, "reconcile_interval_seconds": 0.1,
              "release_grace_seconds": 2}  # fmt: skip
@@ -348,7 +350,7 @@ async def main(args: argparse.Namespace) -> None:
                  f"p50 {statistics.median(health) * 1e3:.1f} ms",
                  f"max {max(health) * 1e3:.1f} ms"))  # fmt: skip
     rows.append(("peer", "health change -> ListAndWatch", "n/a (no health stream)", ""))
-    write_results(rows, load_before, args)
+    write_results(rows, load_before, round(steal_seconds() - steal_before, 1), args)
 
 
 def goal_lines(rows: list[tuple[str, str, str, str]]) -> list[str]:
@@ -378,7 +380,10 @@ def goal_lines(rows: list[tuple[str, str, str, str]]) -> list[str]:
 
 
 def write_results(
-    rows: list[tuple[str, str, str, str]], load_before: tuple[float, ...], args: argparse.Namespace
+    rows: list[tuple[str, str, str, str]],
+    load_before: tuple[float, ...],
+    stolen: float,
+    args: argparse.Namespace,
 ) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     head = ("plugin", "measure", "", "")
@@ -389,7 +394,8 @@ def write_results(
     print("\n" + "\n".join(table) + "\n\n" + "\n".join(goals))
     loads = (
         f"load average before {' / '.join(f'{x:.2f}' for x in load_before)}, "
-        f"after {' / '.join(f'{x:.2f}' for x in load_after)}; {os.cpu_count()} CPUs"
+        f"after {' / '.join(f'{x:.2f}' for x in load_after)}; {os.cpu_count()} CPUs; "
+        f"{stolen} CPU-seconds stolen by the hypervisor during the run"
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
     md = [
@@ -412,6 +418,7 @@ def write_results(
                 "args": vars(args),
                 "loadavg_before": load_before,
                 "loadavg_after": load_after,
+                "cpu_stolen_s": stolen,
                 "rows": rows,
                 "goals": goals,
             },

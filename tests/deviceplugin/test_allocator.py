@@ -182,11 +182,55 @@ def test_checkpoint_log_overwrites_laid_out_space_and_lays_out_again(
         alloc.allocate([[f"davinci0-ctx{i}"]])
         assert (len(layouts), path.stat().st_size) == (1, size)
     assert _alloc_on(path).live_ids() == {0, 1, 2, 3}
+    switches = _count_switches(monkeypatch)
     for i in range(200):  # far more records than one layout holds
         alloc.allocate([[f"davinci1-ctx{i % 3}"]])
-    assert len(layouts) > 5
+    assert len(layouts) + len(switches) > 5  # the spare, or the old way when it was not ready
     assert _alloc_on(path).live_ids() == alloc.live_ids()
+    alloc.close()
     assert not list(tmp_path.glob(".a.json.*"))
+
+
+def _count_switches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    switches: list[int] = []
+    switch = Checkpoint._switch_to_spare
+
+    def counted(self: Checkpoint, record: bytes) -> bool:
+        done = switch(self, record)
+        if done:
+            switches.append(len(record))
+        return done
+
+    monkeypatch.setattr(Checkpoint, "_switch_to_spare", counted)
+    return switches
+
+
+def test_a_full_log_continues_in_the_spare_laid_out_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Half-way through a log a thread lays out the next one; running out of space then costs
+    a record, a rename and a directory fsync. The state survives every step."""
+    monkeypatch.setattr(Checkpoint, "MIN_SPACE", 4096)
+    monkeypatch.setattr(Checkpoint, "RECORDS_PER_LAYOUT", 8)
+    layouts, switches = _count_layouts(monkeypatch), _count_switches(monkeypatch)
+    path = tmp_path / "a.json"
+    checkpoint = Checkpoint(path)
+    alloc = ContextAllocator(checkpoint, id_space=100, node_ordinal=None)
+    spare = path.with_name(".a.json.next")
+    inode = None
+    for i in range(60):
+        alloc.allocate([[f"davinci{i % 4}-ctx{i % 2}"]])
+        assert _alloc_on(path).live_ids() == alloc.live_ids()
+        if checkpoint._spare is not None:
+            checkpoint._spare.join()  # a quick disk here: ready before the log is full
+            assert spare.stat().st_size == checkpoint._spare_space
+        if inode is None:
+            inode = path.stat().st_ino
+    assert len(layouts) == 1  # only the first: every later log was the spare
+    assert len(switches) >= 3
+    assert path.stat().st_ino != inode  # renamed over the full one
+    alloc.close()
+    assert not spare.exists()
 
 
 def test_torn_last_record_is_dropped_and_the_log_laid_out_anew(
