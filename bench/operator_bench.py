@@ -50,6 +50,7 @@ from kubernetes import config
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from bench.machine import steal_seconds
 from tests.cluster.cluster import COMPONENTS, Cluster
 from tests.cluster.fleet import node_manifest
 from tests.cluster.paths import state_dir
@@ -102,6 +103,7 @@ class CpuMeter:
         pids = {name: procs.pid(name) for name in COMPONENTS}
         self.pids = {**{n: p for n, p in pids.items() if p is not None}, **(extra or {})}
         self.start = {name: self._cpu(pid) for name, pid in self.pids.items()}
+        self.steal_start = steal_seconds()
 
     @staticmethod
     def _cpu(pid: int) -> float:
@@ -109,6 +111,10 @@ class CpuMeter:
             return _cpu_of(pid)
         except OSError:  # gone mid-phase: its delta goes negative and is left out
             return 0.0
+
+    def stolen(self) -> float:
+        """CPU seconds the hypervisor ran something else while this VM wanted its CPUs."""
+        return round(steal_seconds() - self.steal_start, 1)
 
     def used(self) -> dict[str, float]:
         now = {name: self._cpu(pid) - self.start[name] for name, pid in self.pids.items()}
@@ -233,7 +239,7 @@ def run_floor(api: ApiClient, n: int, sites: list[str], timeout: float) -> dict[
     start, cpu = time.monotonic(), CpuMeter()
     _parallel(lambda b: _create(api, b), bodies)
     converge = tracker.wait(start, timeout)
-    cpu_used = cpu.used()
+    cpu_used, stolen = cpu.used(), cpu.stolen()
     gone = _drop_namespace(api, ns)
     print(f"floor: {converge}s; namespace gone in {gone:.0f}s", file=sys.stderr)
     converge = None if converge is None else round(converge, 1)
@@ -241,6 +247,7 @@ def run_floor(api: ApiClient, n: int, sites: list[str], timeout: float) -> dict[
         "converge_s": converge,
         "writes_per_object": round(len(bodies) / n, 2),
         "cpu_by_process_s": cpu_used,
+        "cpu_stolen_s": stolen,
     }
 
 
@@ -350,7 +357,7 @@ def converge_ember(
             list(range(n)),
         )
         converge = tracker.wait(start, timeout)
-        cpu_used = cpu.used()
+        cpu_used, stolen = cpu.used(), cpu.stolen()
         deployments = children.wait(start, 0.1) if children.finished.is_set() else None
         time.sleep(5)  # writes still in flight reach the watches
     writes = op.writes()
@@ -371,6 +378,7 @@ def converge_ember(
         "rss_after_converge_mib": round(op.rss_mib(), 1),
         "cpu_after_converge_s": round(op.cpu_seconds(), 1),
         "cpu_by_process_s": cpu_used,
+        "cpu_stolen_s": stolen,
     }
 
 
@@ -622,6 +630,10 @@ def markdown(result: dict[str, Any]) -> str:
         "| process | floor | Ember |",
         "|---|---|---|",
         *_cpu_rows(result["floor"].get("cpu_by_process_s", {}), e.get("cpu_by_process_s", {})),
+        "",
+        "CPU seconds the hypervisor gave to others while this VM wanted them (steal, from "
+        f"/proc/stat) over the same spans: floor {result['floor'].get('cpu_stolen_s', '-')}, "
+        f"Ember {e.get('cpu_stolen_s', '-')}.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kubernetes
+import orjson
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
@@ -163,7 +164,9 @@ class Applier:
         result = self._call(
             "PATCH",
             path,
-            body=json.loads(json.dumps(manifest)),
+            # Serialized here, once (JSON is YAML): a dict would be walked by the client's
+            # sanitizer and then encoded by the standard library.
+            body=orjson.dumps(manifest),
             query=query,
             content_type="application/apply-patch+yaml",
         )
@@ -243,7 +246,7 @@ def request(
     method: str,
     path: str,
     *,
-    body: Any = None,
+    body: Any = None,  # a dict, or bytes already serialized (only for non-JSON content types)
     query: list[tuple[str, str]] | None = None,
     content_type: str = "application/json",
     timeout: float = 30.0,
@@ -259,10 +262,10 @@ def request(
     )
     response = api.call_api(*serialized, _request_timeout=timeout)
     response.read()  # type: ignore[no-untyped-call]
-    text = response.data.decode() if response.data else ""
+    data: bytes = response.data or b""
     if not 200 <= response.status <= 299:
-        raise ApiException.from_response(http_resp=response, body=text, data=None)
-    return dict(json.loads(text)) if text else {}
+        raise ApiException.from_response(http_resp=response, body=data.decode(), data=None)
+    return dict(orjson.loads(data)) if data else {}
 
 
 def api_client() -> ApiClient:

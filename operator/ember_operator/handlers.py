@@ -32,7 +32,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from ember_operator import metrics, render, status
+from ember_operator import kopf_json, metrics, render, status
 from ember_operator.api import GROUP, PLURAL, VERSION
 from ember_operator.apply import DIGEST_ANNOTATION, Applier, api_client, namespace_terminating
 from ember_operator.reconcile import (
@@ -80,6 +80,7 @@ class QuietSuccess(logging.Filter):
 
 
 logging.getLogger("kopf.objects").addFilter(QuietSuccess())
+kopf_json.install()
 
 
 @kopf.on.login()
@@ -194,6 +195,9 @@ def probe_reconciles(**_: Any) -> float:
 
 
 # ----------------------------------------------------------------------------- indexes
+# Async, though they never await: Kopf runs a sync handler in its thread pool (a submit, a
+# shielded future, a context copy), and every watch event of every child and pod passes
+# through an index; these are a few dict lookups, cheaper than the hop.
 
 
 def _small(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -213,7 +217,7 @@ def _index_child(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **
 
 
 @kopf.index(*RESOURCE)
-def infd_index(body: kopf.Body, namespace: str | None, name: str | None, **_: Any) -> Any:
+async def infd_index(body: kopf.Body, namespace: str | None, name: str | None, **_: Any) -> Any:
     """The objects (what status needs of them), so a pod event can refresh its owner's status
     without a GET. Not Kopf's annotations: the last-handled copy of the spec doubles the size."""
     meta = body["metadata"]
@@ -228,27 +232,27 @@ def infd_index(body: kopf.Body, namespace: str | None, name: str | None, **_: An
 
 
 @kopf.index("v1", "configmaps", labels=CHILD_LABELS)
-def configmap_index(**kwargs: Any) -> Any:
+async def configmap_index(**kwargs: Any) -> Any:
     return _index_child(**kwargs)
 
 
 @kopf.index("v1", "services", labels=CHILD_LABELS)
-def service_index(**kwargs: Any) -> Any:
+async def service_index(**kwargs: Any) -> Any:
     return _index_child(**kwargs)
 
 
 @kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
-def deployment_index(**kwargs: Any) -> Any:
+async def deployment_index(**kwargs: Any) -> Any:
     return _index_child(**kwargs)
 
 
 @kopf.index("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
-def pdb_index(**kwargs: Any) -> Any:
+async def pdb_index(**kwargs: Any) -> Any:
     return _index_child(**kwargs)
 
 
 @kopf.index("v1", "pods", labels=CHILD_LABELS)
-def pod_index(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> Any:
+async def pod_index(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> Any:
     """Small summaries (readiness, failure, the runtime's thermal report), not pod bodies."""
     key = key_of(namespace, labels)
     return {key: status.pod_summary(body)} if key else {}
@@ -411,16 +415,21 @@ def _window(ctx: Context, indexes: Mapping[str, Any], key: tuple[str, str]) -> f
 @kopf.on.event("v1", "pods", labels=CHILD_LABELS)
 async def pod_event(**kwargs: Any) -> None:
     """A replica changed (readiness, its thermal condition, deletion): refresh the owner's
-    status and tell the hot-node queue where the critical replicas are."""
+    status, tell the hot-node queue where the critical replicas are, and drop the kubelet's
+    warnings about a pod that has started. One handler for all three: Kopf's per-handler
+    machinery costs more than what each does."""
     key = key_of(kwargs.get("namespace"), kwargs.get("labels") or {})
     if key is None:
         return
     ctx: Context = kwargs["memo"].ctx
     body = kwargs["body"]
+    gone = kwargs["event"].get("type") == "DELETED" or bool(
+        body["metadata"].get("deletionTimestamp")
+    )
+    ctx.writer.kubelet.pod_changed(key, body, gone)
     node = (body.get("spec") or {}).get("nodeName")
     if node:
         replica = Replica(key[0], body["metadata"]["name"], key[1], node)
-        gone = kwargs["event"].get("type") == "DELETED" or body["metadata"].get("deletionTimestamp")
         if gone:
             ctx.hot.forget_pod(replica)
         else:

@@ -22,7 +22,7 @@ from ember_runtime import reasons
 
 from ember_operator import status
 from ember_operator.handlers import refresh
-from ember_operator.reconcile import CHILD_LABELS, Context, key_of, pods_of
+from ember_operator.reconcile import Context, pods_of
 
 EVENTS = ("v1", "events")
 # Server-side: only warnings, only about pods. What is left is small (a stuck pod's kubelet
@@ -84,17 +84,3 @@ def kubelet_event(**kwargs: Any) -> None:
     ctx: Context = kwargs["memo"].ctx
     if ctx.writer.kubelet.record((namespace, owner), pod, failure, at):
         refresh(ctx, (namespace, owner), kwargs, log)
-
-
-@kopf.on.event("v1", "pods", labels=CHILD_LABELS)
-async def drop_started_pods(**kwargs: Any) -> None:
-    """A pod that runs a container (or is gone) is past whatever the kubelet warned about.
-    In-memory only, so on the event loop: no thread hop for every pod event."""
-    key = key_of(kwargs.get("namespace"), kwargs.get("labels") or {})
-    if key is None:
-        return
-    body = kwargs["body"]
-    gone = kwargs["event"].get("type") == "DELETED" or body["metadata"].get("deletionTimestamp")
-    if gone or status.pod_started(body.get("status") or {}):
-        ctx: Context = kwargs["memo"].ctx
-        ctx.writer.kubelet.forget(key, body["metadata"]["name"])

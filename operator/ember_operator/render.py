@@ -2,18 +2,18 @@
 
 No I/O and no clock here, so the whole pod template is unit-tested without a cluster and two
 renders of the same input are byte-identical (which the config hash and zero-write steady state
-rely on). Templates live in `templates/`, one file per kind.
+rely on). Templates live in `templates/`, one jinja2 file per kind, each rendering JSON.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
-import yaml
 from ember_runtime import reasons
 from ember_runtime.config import (
     MODEL_FETCH_ANNOTATION,
@@ -26,6 +26,7 @@ from ember_runtime.config import (
     ServerSettings,
     ThermalPolicy,
     cache_label,
+    dump_yaml,
 )
 
 from ember_operator import quantity
@@ -70,17 +71,12 @@ def _env() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.PackageLoader("ember_operator", "templates"),
         undefined=jinja2.StrictUndefined,  # a missing variable is a bug, not an empty string
-        autoescape=False,  # noqa: S701 - YAML, not HTML; user values go through |tojson
+        autoescape=False,  # noqa: S701 - JSON, not HTML; user values go through |tojson
         keep_trailing_newline=True,
         # Packaged templates never change under a running operator; with auto_reload every
         # get_template stats the file (a tenth of a reconcile's CPU at fleet scale).
         auto_reload=False,
     )
-
-
-# libyaml's parser when PyYAML has it (its wheels do): the same SafeLoader rules, and parsing
-# the rendered manifests in pure Python was half of a reconcile's CPU at fleet scale.
-_YAML_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
 
 
 def labels_for(name: str) -> dict[str, str]:
@@ -200,7 +196,7 @@ def config_data(
 ) -> dict[str, str]:
     return {
         "config.yaml": runtime_config(spec, settings, sizing).to_yaml(),
-        "sizing.yaml": yaml.safe_dump(sizing.as_dict(), sort_keys=True),
+        "sizing.yaml": dump_yaml(sizing.as_dict(), sort_keys=True),
     }
 
 
@@ -210,7 +206,7 @@ def restart_hash(spec: InferenceDeploymentSpec, settings: OperatorSettings, sizi
     return config_hash(
         {
             "config.yaml": runtime_config(spec, settings, sizing).restart_relevant_yaml(),
-            "sizing.yaml": yaml.safe_dump(sizing.as_dict(), sort_keys=True),
+            "sizing.yaml": dump_yaml(sizing.as_dict(), sort_keys=True),
         }
     )
 
@@ -487,8 +483,11 @@ def render(
 
 
 def _render_one(kind: str, context: dict[str, Any]) -> dict[str, Any]:
-    text = _env().get_template(f"{kind}.yaml.j2").render(**context)
-    manifest = yaml.load(text, Loader=_YAML_LOADER)  # noqa: S506 - a safe loader
+    # JSON templates, not YAML text: parsing the rendered YAML (even with libyaml's parser,
+    # whose constructor is Python) was 2 ms a manifest and 30% of a first reconcile's CPU;
+    # json.loads reads the same document in microseconds. Render: 8.7 -> 2.5 ms per object.
+    text = _env().get_template(f"{kind}.json.j2").render(**context)
+    manifest = json.loads(text)
     if not isinstance(manifest, dict):
         raise TypeError(f"template {kind} did not render a mapping")
     return manifest

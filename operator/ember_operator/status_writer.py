@@ -70,6 +70,12 @@ class PodEvents:
             if not pods:
                 self._pods.pop(key, None)
 
+    def pod_changed(self, key: Key, body: Mapping[str, Any], gone: bool) -> None:
+        """A pod event: a pod that runs a container (or is gone) is past whatever the kubelet
+        warned about. Called from the pods' one event handler (`handlers.pod_event`)."""
+        if gone or status.pod_started(body.get("status") or {}):
+            self.forget(key, body["metadata"]["name"])
+
     def of(self, key: Key) -> dict[str, status.PodFailure]:
         with self._lock:
             return {pod: failure for pod, (failure, _) in self._pods.get(key, {}).items()}

@@ -29,6 +29,18 @@ from pydantic.alias_generators import to_camel
 
 from ember_runtime.memory import DEFAULT_STEP_TOKENS, offloaded_layers, unified_kv
 
+# libyaml's emitter when PyYAML has it (its wheels do). Its output is the pure-Python
+# SafeDumper's, byte for byte, for the plain data dumped here (tests/operator/test_render.py
+# compares them), so digests and the pod template's hash do not move; it is 5x faster, and
+# the operator dumps four documents per InferenceDeployment it renders.
+_YAML_DUMPER = yaml.CSafeDumper if yaml.__with_libyaml__ else yaml.SafeDumper
+
+
+def dump_yaml(data: Any, *, sort_keys: bool) -> str:
+    """`yaml.safe_dump`, through libyaml where available."""
+    return str(yaml.dump(data, Dumper=_YAML_DUMPER, sort_keys=sort_keys))
+
+
 log = logging.getLogger(__name__)
 DEFAULT_CONFIG_PATH = Path("/etc/ember/config.yaml")
 CONFIG_ENV = "EMBER_CONFIG"
@@ -392,7 +404,7 @@ class RuntimeConfig(_Wire):
         return Path(self.model_dir) / file.path
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+        return dump_yaml(self.model_dump(mode="json", by_alias=True), sort_keys=False)
 
     def restart_relevant_yaml(self) -> str:
         """The config without its thermal policy: what the pod template's hash covers, so a
@@ -401,7 +413,7 @@ class RuntimeConfig(_Wire):
         # existing replica when the operator is upgraded.
         exclude = {"thermal"} | {k for k in _NEWER_FIELDS if getattr(self, k) == _DEFAULTS[k]}
         data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
-        return yaml.safe_dump(data, sort_keys=False)
+        return dump_yaml(data, sort_keys=False)
 
 
 _NEWER_FIELDS = ("model_layout", "model_wait_seconds")

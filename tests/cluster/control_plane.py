@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import ssl
 import subprocess
@@ -206,7 +207,8 @@ class ControlPlane:
                 "--audit-log-maxbackup=1",  # a day of tests wrote 1.6 GB of rotated logs
                 "--audit-log-mode=batch",
                 "--audit-log-batch-max-wait=1s",
-                "--profiling=false",
+                # EMBER_APISERVER_PROFILING=1 serves /debug/pprof (bench investigations only).
+                f"--profiling={os.environ.get('EMBER_APISERVER_PROFILING') == '1'}".lower(),
                 "--v=1",
             ],
         )

@@ -9,7 +9,7 @@ import yaml
 from ember_operator import render, sizing
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
-from ember_runtime.config import RuntimeConfig
+from ember_runtime.config import RuntimeConfig, dump_yaml
 
 from tests.operator.specs import manifest
 
@@ -234,14 +234,26 @@ def test_runtime_identity_and_token_only_in_the_runtime() -> None:
     ]
 
 
-def test_user_strings_cannot_inject_yaml() -> None:
-    evil = 'x"\n  injected: true\nkind: Secret'
+def test_user_strings_cannot_change_the_document() -> None:
+    evil = 'x"\n  injected: true\nkind: Secret", "injected": true}, "kind": "Secret'
     out = _render(
         model={**manifest()["spec"]["model"], "name": evil}, placement={"nodeSelector": {"k": evil}}
     )
     assert out["Deployment"]["kind"] == "Deployment"
     assert _pod(out)["nodeSelector"] == {"k": evil}
     assert "injected" not in out["Deployment"]
+
+
+def test_libyaml_dumps_what_the_python_dumper_does() -> None:
+    """The ConfigMap's documents and the pod template's hash come from `dump_yaml` (libyaml):
+    a byte of difference from PyYAML's own SafeDumper would re-apply every child and roll
+    every replica the first time an upgraded operator reconciles."""
+    spec = parse_spec(manifest(model={**manifest()["spec"]["model"], "name": "é ✓ 'x'"})["spec"])
+    sized = sizing.compute(spec, SETTINGS, None)
+    config = render.runtime_config(spec, SETTINGS, sized).model_dump(mode="json", by_alias=True)
+    odd = {"long": "y" * 300, "lines": "a\nb", "empty": "", "none": None, "words": ["yes", "1e3"]}
+    for data, sort_keys in ((config, False), (sized.as_dict(), True), (odd, False)):
+        assert dump_yaml(data, sort_keys=sort_keys) == yaml.safe_dump(data, sort_keys=sort_keys)
 
 
 def test_schema_valid_but_unservable_specs_are_problems() -> None:
