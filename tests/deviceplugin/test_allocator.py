@@ -277,3 +277,43 @@ def test_version_1_checkpoint_is_read_and_rewritten_as_a_log(tmp_path: Path) -> 
     assert alloc.allocate([["davinci1-ctx0"]])[0].contexts == {"davinci1": 5}  # cursor kept
     assert path.read_bytes().startswith(b"v2 ")
     assert _alloc_on(path).live_ids() == {4, 5}
+
+
+def test_a_switch_that_fails_after_the_rename_lays_out_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory fsync after the spare's rename fails: that Allocate is refused (nothing
+    issued), and the next one is durable again."""
+    from ember_runtime.durable import fsync_dir as real_fsync_dir
+
+    monkeypatch.setattr(Checkpoint, "MIN_SPACE", 4096)
+    monkeypatch.setattr(Checkpoint, "RECORDS_PER_LAYOUT", 8)
+    switches = _count_switches(monkeypatch)
+    path = tmp_path / "a.json"
+    checkpoint = Checkpoint(path)
+    alloc = ContextAllocator(checkpoint, id_space=100, node_ordinal=None)
+    failing = {"armed": False}
+
+    def fsync_dir(directory: Path) -> None:
+        if failing["armed"]:
+            failing["armed"] = False
+            raise OSError("injected: directory fsync failed")
+        real_fsync_dir(directory)
+
+    monkeypatch.setattr("ember_runtime.deviceplugin.allocator.fsync_dir", fsync_dir)
+    i = 0
+    while not switches:
+        if checkpoint._spare is not None:
+            checkpoint._spare.join()
+            failing["armed"] = True  # the next directory fsync is the switch's
+        before = alloc.live_ids()
+        try:
+            alloc.allocate([[f"davinci{i % 4}-ctx{i % 2}"]])
+        except OSError:
+            assert alloc.live_ids() == before  # refused: nothing issued
+            break
+        i += 1
+    else:
+        raise AssertionError("the switch succeeded before the failure was injected")
+    alloc.allocate([["davinci9-ctx0"]])
+    assert _alloc_on(path).live_ids() == alloc.live_ids()

@@ -166,7 +166,8 @@ class Checkpoint:
         def lay_out() -> None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self._spare_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                fd = os.open(self._spare_path, flags, 0o600)
                 try:
                     _write_all(fd, bytes(space))
                     os.fsync(fd)
@@ -204,6 +205,9 @@ class Checkpoint:
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
+            # The rename may have happened, and the current log is full either way: the next
+            # save lays out anew (the descriptor closed here may name the replaced file).
+            self._close_log()
             raise
         self._close_log()
         self._fd, self._offset, self._space = fd, len(record), space
