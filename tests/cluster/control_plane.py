@@ -208,7 +208,8 @@ class ControlPlane:
                 "--audit-log-mode=batch",
                 "--audit-log-batch-max-wait=1s",
                 # EMBER_APISERVER_PROFILING=1 serves /debug/pprof (bench investigations only).
-                f"--profiling={os.environ.get('EMBER_APISERVER_PROFILING') == '1'}".lower(),
+                "--profiling="
+                + ("true" if os.environ.get("EMBER_APISERVER_PROFILING") == "1" else "false"),
                 "--v=1",
             ],
         )

@@ -147,7 +147,7 @@ class Checkpoint:
             raise
         self._offset += len(record)
         if self._spare is None and 2 * self._offset > self._space:
-            self._prepare_spare(max(self.MIN_SPACE, len(record) * self.RECORDS_PER_LAYOUT))
+            self._prepare_spare(self._space_for(record))
 
     def close(self) -> None:
         self._drop_spare()
@@ -158,6 +158,9 @@ class Checkpoint:
             os.close(self._fd)
         self._fd, self._offset, self._space = None, 0, 0
 
+    def _space_for(self, record: bytes) -> int:
+        return max(self.MIN_SPACE, len(record) * self.RECORDS_PER_LAYOUT)
+
     @property
     def _spare_path(self) -> Path:
         return self.path.with_name(f".{self.path.name}.next")
@@ -166,13 +169,7 @@ class Checkpoint:
         def lay_out() -> None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-                fd = os.open(self._spare_path, flags, 0o600)
-                try:
-                    _write_all(fd, bytes(space))
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _write_synced(self._spare_path, bytes(space))
                 self._spare_space = space
             except OSError as exc:  # the write path lays out the old way instead
                 log.warning("could not lay out the next checkpoint log: %s", exc)
@@ -215,18 +212,13 @@ class Checkpoint:
 
     def _lay_out(self, record: bytes) -> None:
         self._close_log()
-        space = max(self.MIN_SPACE, len(record) * self.RECORDS_PER_LAYOUT)
+        space = self._space_for(record)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One fixed temp name: the allocator's lock serialises writers in this process, and a
         # SIGKILLed predecessor's leftover is simply truncated.
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                _write_all(fd, record + bytes(space - len(record)))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_synced(tmp, record + bytes(space - len(record)))
             os.replace(tmp, self.path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -291,6 +283,16 @@ def _pwrite_all(fd: int, record: bytes, offset: int, path: Path) -> None:
     written = os.pwrite(fd, record, offset)
     if written != len(record):  # only a device error does this to a regular file
         raise OSError(f"short write to {path}: {written} of {len(record)} bytes")
+
+
+def _write_synced(path: Path, payload: bytes) -> None:
+    """`payload` as the whole of `path` (created 0600 or truncated), fsync'd."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        _write_all(fd, payload)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, payload: bytes) -> None:
