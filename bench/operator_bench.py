@@ -282,15 +282,27 @@ class OperatorProcess:
     def cpu_seconds(self) -> float:
         return _cpu_of(self.proc.pid)
 
+    def _metrics(self) -> list[str]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return str(urllib.request.urlopen(url, timeout=5).read().decode()).splitlines()
+
     def writes(self) -> dict[str, float]:
         """The operator's own counter, by kind/verb."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
         out: dict[str, float] = {}
-        for line in text.splitlines():
+        for line in self._metrics():
             if line.startswith("ember_operator_api_writes_total{"):
                 labels, value = line.rsplit(" ", 1)
                 out[labels[len("ember_operator_api_writes_total") :]] = float(value)
+        return out
+
+    def histogram(self, name: str) -> dict[float, float]:
+        """One histogram of the operator's metrics: upper bound -> cumulative count."""
+        out: dict[float, float] = {}
+        prefix = f'{name}_bucket{{le="'
+        for line in self._metrics():
+            if line.startswith(prefix):
+                le, value = line[len(prefix) :].split('"}', 1)
+                out[float(le)] = float(value)
         return out
 
     def wait_serving(self, timeout: float = 60) -> None:
@@ -454,6 +466,38 @@ class Churn:
         }
 
 
+def bucket_quantile(
+    before: dict[float, float], after: dict[float, float], q: float
+) -> float | None:
+    """The upper bound of the histogram bucket that holds quantile `q` of what was observed
+    between two snapshots; None when nothing was, or when it lies past the last finite bound
+    (JSON has no infinity)."""
+    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    for le in sorted(after):
+        if total > 0 and after[le] - before.get(le, 0.0) >= q * total:
+            return None if le == float("inf") else le
+    return None
+
+
+def churn_with_lag(
+    api: ApiClient, op: OperatorProcess, ns: str, rate: float, seconds: float
+) -> dict[str, Any]:
+    """The churn, plus where its delay sits: the operator's own status queue (from the first
+    pod event of a change to its status written, `ember_operator_status_lag_seconds`) against
+    the whole path, and what each process spent meanwhile."""
+    lag = "ember_operator_status_lag_seconds"
+    before, cpu = op.histogram(lag), CpuMeter({"ember-operator": op.proc.pid})
+    result = Churn(api, ns, pods_by_owner(api, ns)).run(rate, seconds)
+    after = op.histogram(lag)
+    result["churn_status_lag_le_s"] = {
+        "p50": bucket_quantile(before, after, 0.50),
+        "p99": bucket_quantile(before, after, 0.99),
+        "refreshes": after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0),
+    }
+    result["churn_cpu_by_process_s"], result["churn_cpu_stolen_s"] = cpu.used(), cpu.stolen()
+    return result
+
+
 def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
@@ -482,7 +526,7 @@ def run_ember(
         print(f"steady state: {args.steady_seconds}s", file=sys.stderr)
         result |= steady_state(api, op, ns, args.steady_seconds)
         print(f"churn: {args.churn_rate}/s for {args.churn_seconds}s", file=sys.stderr)
-        result |= Churn(api, ns, pods_by_owner(api, ns)).run(args.churn_rate, args.churn_seconds)
+        result |= churn_with_lag(api, op, ns, args.churn_rate, args.churn_seconds)
         result["peak_rss_mib"] = round(op.peak_rss_mib(), 1)
         result["rss_at_end_mib"] = round(op.rss_mib(), 1)
         result["cpu_s"] = round(op.cpu_seconds(), 1)
@@ -613,6 +657,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"Thermal churn: {e['churn_changes']} pod-condition changes at "
         f"{e['churn_achieved_rate']}/s; seen {e['churn_seen']}, missed {e['churn_missed']}; "
         f"p50 {e['churn_p50_s']} s, p99 {e['churn_p99_s']} s, max {e['churn_max_s']} s.",
+        *_lag_lines(e),
         "",
         "Writes during convergence, by kind and verb (the operator's own counter, plus other "
         "writes to the objects and Events it posted):",
@@ -636,6 +681,21 @@ def markdown(result: dict[str, Any]) -> str:
         f"Ember {e.get('cpu_stolen_s', '-')}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _lag_lines(e: dict[str, Any]) -> list[str]:
+    lag = e.get("churn_status_lag_le_s")
+    if not lag:
+        return []
+    cpu = ", ".join(f"{k} {v}" for k, v in e.get("churn_cpu_by_process_s", {}).items())
+    return [
+        f"Of that delay, the operator's own status queue (first pod event of a change to its "
+        f"status written, histogram `ember_operator_status_lag_seconds`, bucket bounds): "
+        f"p50 <= {_s(lag['p50'])} s, p99 <= {_s(lag['p99'])} s over {lag['refreshes']:g} "
+        "refreshes (- : past the last bound, 60 s). "
+        f"CPU seconds during the churn and its 10 s tail: {cpu}; steal "
+        f"{e.get('churn_cpu_stolen_s', '-')}.",
+    ]
 
 
 def _cpu_rows(floor: dict[str, float], ember: dict[str, float]) -> list[str]:

@@ -166,7 +166,7 @@ async def start_retries(memo: kopf.Memo, **_: Any) -> None:
         ctx.requeue.run(lambda key, attempt: _retry(ctx, key, attempt)), name="ember-retries"
     )
     memo.refresh_task = asyncio.create_task(
-        ctx.refreshes.run(lambda keys: _refresh_due(ctx, keys)), name="ember-status-refresh"
+        ctx.refreshes.run(lambda due: _refresh_due(ctx, due)), name="ember-status-refresh"
     )
 
 
@@ -294,9 +294,10 @@ def _remember_indexes(ctx: Context, kwargs: Mapping[str, Any]) -> None:
         ctx.indexes = {name: kwargs[name] for name in INDEXES}
 
 
-def _refresh_due(ctx: Context, keys: list[tuple[str, str]]) -> None:
-    for key in keys:
+def _refresh_due(ctx: Context, due: list[tuple[tuple[str, str], float]]) -> None:
+    for key, first_mark in due:
         refresh(ctx, key, ctx.indexes, log)
+        metrics.STATUS_LAG.observe(ctx.refreshes.clock() - first_mark)
 
 
 # ----------------------------------------------------------------------------- reconcile

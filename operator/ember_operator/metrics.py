@@ -23,6 +23,14 @@ API_WRITES = Counter(
     "Writes this operator sent to the API server.",
     ["kind", "verb"],
 )
+STATUS_LAG = Histogram(
+    "ember_operator_status_lag_seconds",
+    "From the first event that changed what an object's status shows (a pod's readiness or "
+    "thermal report, a rollout) to that status refresh having been written: the coalescing "
+    "window plus any queue behind it. It grows when the operator or the API server falls "
+    "behind the fleet's changes.",
+    buckets=(0.25, 0.5, 1, 1.5, 2, 3, 5, 10, 20, 30, 60),
+)
 OBJECTS = Gauge(
     "ember_operator_objects",
     "InferenceDeployments by condition type and status.",

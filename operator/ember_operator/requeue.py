@@ -110,13 +110,13 @@ class Coalescer(DueTable[float]):
             first = self._due[key][1] if key in self._due else now
             self._due[key] = (min(now + self.window, first + self.max_wait), first)
 
-    async def run(self, work: Callable[[list[Key]], None], tick: float = 0.1) -> None:
-        """Call `work(keys)` with the keys whose window has closed, split over `parallel`
-        threads: each write is a round trip to the API server, and at fleet scale a rollout
-        closes hundreds of windows at once — one thread writing them in turn made the last
-        object's status trail its Deployment by seconds."""
+    async def run(self, work: Callable[[list[tuple[Key, float]]], None], tick: float = 0.1) -> None:
+        """Call `work(due)` with the (key, first mark's time) pairs whose window has closed,
+        split over `parallel` threads: each write is a round trip to the API server, and at
+        fleet scale a rollout closes hundreds of windows at once — one thread writing them in
+        turn made the last object's status trail its Deployment by seconds."""
         while True:
-            due = [key for key, _ in self.take_due()]
+            due = self.take_due()
             chunks = [due[i :: self.parallel] for i in range(self.parallel) if due[i:]]
             results = await asyncio.gather(
                 *(asyncio.to_thread(work, chunk) for chunk in chunks), return_exceptions=True

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import kopf
-from ember_operator import apply, handlers, reconcile
+from ember_operator import apply, handlers, metrics, reconcile, requeue
 from ember_operator.settings import OperatorSettings
 from kopf._cogs.structs import diffs
 
@@ -79,3 +79,26 @@ def test_fresh_manifests_are_bounded() -> None:
         meta = {"name": f"o{i}", "namespace": "ns", "uid": f"u-{i}", "generation": 1}
         reconcile.planned(ctx, {**manifest(f"o{i}"), "metadata": meta})
     assert len(ctx.fresh) == reconcile.FRESH_CACHE_SIZE
+
+
+def _lag_samples() -> tuple[float, float]:
+    """(count, sum) of the status lag histogram so far."""
+    samples = {s.name: s.value for m in metrics.STATUS_LAG.collect() for s in m.samples}
+    return samples["ember_operator_status_lag_seconds_count"], samples[
+        "ember_operator_status_lag_seconds_sum"
+    ]
+
+
+def test_a_due_refresh_records_its_lag_from_the_first_mark() -> None:
+    """The lag metric is what tells a fleet's SRE how far status trails the pods: it runs
+    from the first mark of a coalesced burst (the Coalescer's own clock) to the refresh."""
+    ctx = _context()
+    now = [50.0]
+    ctx.refreshes = requeue.Coalescer(window=0.5, clock=lambda: now[0])
+    ctx.refreshes.mark(("ns", "gone"))  # not in any index: the refresh itself is a no-op
+    now[0] = 53.25
+    due = ctx.refreshes.take_due()
+    assert due == [(("ns", "gone"), 50.0)]
+    count, total = _lag_samples()
+    handlers._refresh_due(ctx, due)
+    assert _lag_samples() == (count + 1, total + 3.25)

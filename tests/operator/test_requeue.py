@@ -84,9 +84,9 @@ def test_due_refreshes_are_written_in_parallel_chunks() -> None:
     barrier = threading.Barrier(4, timeout=5)
     written: list[tuple[str, str]] = []
 
-    def work(chunk: list[tuple[str, str]]) -> None:
+    def work(chunk: list[tuple[tuple[str, str], float]]) -> None:
         barrier.wait()  # raises BrokenBarrierError if the chunks ran one after another
-        written.extend(chunk)
+        written.extend(key for key, _ in chunk)
 
     async def main() -> None:
         for key in keys:
