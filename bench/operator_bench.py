@@ -284,7 +284,8 @@ class OperatorProcess:
 
     def _metrics(self) -> list[str]:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        return str(urllib.request.urlopen(url, timeout=5).read().decode()).splitlines()
+        text: str = urllib.request.urlopen(url, timeout=5).read().decode()
+        return text.splitlines()
 
     def writes(self) -> dict[str, float]:
         """The operator's own counter, by kind/verb."""
@@ -473,8 +474,10 @@ def bucket_quantile(
     between two snapshots; None when nothing was, or when it lies past the last finite bound
     (JSON has no infinity)."""
     total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
     for le in sorted(after):
-        if total > 0 and after[le] - before.get(le, 0.0) >= q * total:
+        if after[le] - before.get(le, 0.0) >= q * total:
             return None if le == float("inf") else le
     return None
 
