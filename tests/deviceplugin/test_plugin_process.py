@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,8 @@ async def test_sigterm_removes_socket_and_keeps_checkpoint(
     assert not (kubelet.plugin_dir / SOCKET).exists()
     live = Checkpoint(Path(settings["checkpoint_path"])).read_live()
     assert [a["units"] for a in live] == [["davinci0-ctx0"]]
+    # Start-up objects left the collector's full passes once serving began (ember_runtime.heap).
+    assert re.search(r"froze [1-9]\d+ start-up objects", (workdir / "plugin.log").read_text())
 
 
 def test_corrupt_checkpoint_refuses_to_start(workdir: Path, devroot: Path) -> None:

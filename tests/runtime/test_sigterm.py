@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -79,6 +80,7 @@ def test_sigterm_drains_in_flight_streams(model_path: Path, tmp_path: Path) -> N
         assert proc.wait(timeout=60) == 0
         output = proc.stdout.read().decode() if proc.stdout else ""
         assert "draining" in output
+        assert re.search(r"froze [1-9]\d+ start-up objects", output)  # ember_runtime.heap
     finally:
         if proc.poll() is None:
             proc.kill()
