@@ -467,13 +467,18 @@ class Churn:
         }
 
 
+def observed(before: dict[float, float], after: dict[float, float]) -> float:
+    """How many observations a histogram took between two snapshots (its +Inf bucket)."""
+    return after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+
+
 def bucket_quantile(
     before: dict[float, float], after: dict[float, float], q: float
 ) -> float | None:
     """The upper bound of the histogram bucket that holds quantile `q` of what was observed
     between two snapshots; None when nothing was, or when it lies past the last finite bound
     (JSON has no infinity)."""
-    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    total = observed(before, after)
     if total <= 0:
         return None
     for le in sorted(after):
@@ -495,7 +500,7 @@ def churn_with_lag(
     result["churn_status_lag_le_s"] = {
         "p50": bucket_quantile(before, after, 0.50),
         "p99": bucket_quantile(before, after, 0.99),
-        "refreshes": after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0),
+        "refreshes": observed(before, after),
     }
     result["churn_cpu_by_process_s"], result["churn_cpu_stolen_s"] = cpu.used(), cpu.stolen()
     return result
