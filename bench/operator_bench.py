@@ -656,7 +656,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['objects']} InferenceDeployments on {result['nodes']} kwok nodes over "
         f"{result['sites']} sites; {result['cpus']} CPUs; load average before "
         f"{result['loadavg_before']}, after {result['loadavg_after']}; {result['when']}.",
-        "Command: `.venv/bin/python -m bench.operator_bench` (defaults = this size).",
+        f"Command: `{result.get('command', '.venv/bin/python -m bench.operator_bench')}`.",
         "",
         "| metric | Ember | floor (plain client) | goal | verdict |",
         "|---|---|---|---|---|",
@@ -761,6 +761,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)
+    flags = sys.argv[1:] if argv is None else argv
+    result["command"] = " ".join([".venv/bin/python -m bench.operator_bench", *flags])
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result)
     (args.out / f"{args.name}.md").write_text(text)

@@ -50,6 +50,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.llama_server_build import ensure_llama_server
+from bench.machine import steal_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CTX_PER_SEQ = 512
@@ -664,7 +665,7 @@ def main() -> None:
     raw = raw_decode_speed(model, args.threads, WORKLOADS["distinct"], repack=True)
     raw_plain = raw_decode_speed(model, args.threads, WORKLOADS["distinct"], repack=False)
     print(f"raw single-stream decode: {raw:.1f} tok/s ({raw_plain:.1f} without repack)")
-    load_before = os.getloadavg()
+    load_before, steal_before = os.getloadavg(), steal_seconds()
     rss: dict[str, int] = {}
     started: list[Server] = []
     try:
@@ -679,10 +680,11 @@ def main() -> None:
     raw_near = sum(bracket) / len(bracket) if bracket else raw
     rank = {server.name: i for i, server in enumerate(started)}  # the table: server by server
     results.sort(key=lambda r: (rank[r.server], workloads.index(r.workload), r.clients))
-    load_after = os.getloadavg()
+    load_after, stolen = os.getloadavg(), steal_seconds() - steal_before
     loads = (
         f"load average (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, "
-        f"after {'/'.join(f'{x:.2f}' for x in load_after)}"
+        f"after {'/'.join(f'{x:.2f}' for x in load_after)}; {stolen:.1f} CPU-seconds stolen "
+        "by the hypervisor while the servers ran"
     )
     command = "python bench/runtime_bench.py " + " ".join(sys.argv[1:])
     cpu = cpu_model()
@@ -713,6 +715,7 @@ def main() -> None:
         "raw_decode_around_single_stream_tok_s": bracket,
         "peak_rss_bytes": rss,
         "load_average": {"before": load_before, "after": load_after},
+        "cpu_stolen_s": stolen,
         "results": [asdict(r) for r in results],
     }
     (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=2))
