@@ -656,7 +656,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['objects']} InferenceDeployments on {result['nodes']} kwok nodes over "
         f"{result['sites']} sites; {result['cpus']} CPUs; load average before "
         f"{result['loadavg_before']}, after {result['loadavg_after']}; {result['when']}.",
-        f"Command: `{result.get('command', '.venv/bin/python -m bench.operator_bench')}`.",
+        f"Command: `{result['command']}`.",
         "",
         "| metric | Ember | floor (plain client) | goal | verdict |",
         "|---|---|---|---|---|",

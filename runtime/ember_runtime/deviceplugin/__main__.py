@@ -29,8 +29,7 @@ async def run(settings: PluginSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await plugin.start()
-    frozen = freeze_startup_heap()  # full GC passes then walk only what serving made
-    logging.getLogger(__name__).info("froze %d start-up objects", frozen)
+    freeze_startup_heap()  # full GC passes then walk only what serving made
     try:
         await stop.wait()
         logging.getLogger(__name__).info("signal received; stopping")
