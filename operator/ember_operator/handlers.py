@@ -166,7 +166,8 @@ async def start_retries(memo: kopf.Memo, **_: Any) -> None:
         ctx.requeue.run(lambda key, attempt: _retry(ctx, key, attempt)), name="ember-retries"
     )
     memo.refresh_task = asyncio.create_task(
-        ctx.refreshes.run(lambda due: _refresh_due(ctx, due)), name="ember-status-refresh"
+        ctx.refreshes.run(lambda key, first: _refresh_due(ctx, key, first)),
+        name="ember-status-refresh",
     )
 
 
@@ -294,10 +295,9 @@ def _remember_indexes(ctx: Context, kwargs: Mapping[str, Any]) -> None:
         ctx.indexes = {name: kwargs[name] for name in INDEXES}
 
 
-def _refresh_due(ctx: Context, due: list[tuple[tuple[str, str], float]]) -> None:
-    for key, first_mark in due:
-        refresh(ctx, key, ctx.indexes, log)
-        metrics.STATUS_LAG.observe(ctx.refreshes.clock() - first_mark)
+def _refresh_due(ctx: Context, key: tuple[str, str], first_mark: float) -> None:
+    refresh(ctx, key, ctx.indexes, log)
+    metrics.STATUS_LAG.observe(ctx.refreshes.clock() - first_mark)
 
 
 # ----------------------------------------------------------------------------- reconcile
@@ -383,7 +383,8 @@ async def infd_event(**kwargs: Any) -> None:
     elif body["metadata"].get("deletionTimestamp"):
         return
     elif settled(ctx, body, kwargs):
-        ctx.refreshes.mark(key)
+        if not ctx.writer.is_echo(body):  # pods and Deployments mark their own changes
+            ctx.refreshes.mark(key)
     else:
         # As asyncio.to_thread does, but on the reconcile pool: with the handler's context.
         context = contextvars.copy_context()

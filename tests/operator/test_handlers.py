@@ -100,5 +100,5 @@ def test_a_due_refresh_records_its_lag_from_the_first_mark() -> None:
     due = ctx.refreshes.take_due()
     assert due == [(("ns", "gone"), 50.0)]
     count, total = _lag_samples()
-    handlers._refresh_due(ctx, due)
+    handlers._refresh_due(ctx, *due[0])
     assert _lag_samples() == (count + 1, total + 3.25)

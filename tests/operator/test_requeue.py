@@ -4,6 +4,7 @@ coalesced status refreshes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -76,27 +77,72 @@ def test_a_lone_mark_is_due_one_window_later() -> None:
     assert refreshes.take_due(now=7.5) == [(("ns", "a"), 7.0)]
 
 
-def test_due_refreshes_are_written_in_parallel_chunks() -> None:
-    """At fleet scale a rollout closes hundreds of windows at once: the writes run on
-    `parallel` threads at the same time (a barrier only they can pass), every key once."""
-    refreshes = Coalescer(window=0.0, parallel=4)
-    keys = [("ns", f"o{i}") for i in range(10)]
-    barrier = threading.Barrier(4, timeout=5)
+def test_a_slow_status_write_does_not_hold_back_the_others() -> None:
+    """At fleet scale a rollout closes hundreds of windows at once and thermal churn tens a
+    second: the workers write concurrently, and one write stuck on a slow API server leaves
+    the rest flowing (batches awaited together waited for their slowest write)."""
+    refreshes = Coalescer(window=0.0, workers=4)
+    keys = [("ns", f"o{i}") for i in range(20)]
+    release = threading.Event()
     written: list[tuple[str, str]] = []
 
-    def work(chunk: list[tuple[tuple[str, str], float]]) -> None:
-        barrier.wait()  # raises BrokenBarrierError if the chunks ran one after another
-        written.extend(key for key, _ in chunk)
+    def work(key: tuple[str, str], first: float) -> None:
+        if key == ("ns", "o0"):
+            assert release.wait(timeout=5)
+        written.append(key)
 
-    async def main() -> None:
+    async def main() -> list[tuple[str, str]]:
         for key in keys:
             refreshes.mark(key)
-        task = asyncio.create_task(refreshes.run(work))
-        for _ in range(100):
+        task = asyncio.create_task(refreshes.run(work, tick=0.01))
+        for _ in range(200):
+            if len(written) == len(keys) - 1:
+                break
+            await asyncio.sleep(0.01)
+        before_release = list(written)
+        release.set()
+        for _ in range(200):
             if len(written) == len(keys):
                 break
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01)
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return before_release
+
+    before_release = asyncio.run(main())
+    assert sorted(before_release) == sorted(keys[1:])  # all but the stuck one, meanwhile
+    assert sorted(written) == sorted(keys)
+
+
+def test_a_key_marked_again_while_queued_is_refreshed_once() -> None:
+    """With every worker busy, due keys wait in the queue; a new mark of a queued key is
+    news its queued refresh will read anyway, so it is not queued twice."""
+    refreshes = Coalescer(window=0.0, workers=1)
+    gate = threading.Event()
+    calls: list[tuple[str, str]] = []
+
+    def work(key: tuple[str, str], first: float) -> None:
+        if key == ("ns", "busy"):
+            assert gate.wait(timeout=5)
+        calls.append(key)
+
+    async def main() -> None:
+        refreshes.mark(("ns", "busy"))
+        task = asyncio.create_task(refreshes.run(work, tick=0.01))
+        await asyncio.sleep(0.05)  # the one worker is stuck on "busy"
+        for _ in range(5):
+            refreshes.mark(("ns", "a"))
+            await asyncio.sleep(0.03)  # each mark falls due and is taken while "a" is queued
+        gate.set()
+        for _ in range(100):
+            if len(calls) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     asyncio.run(main())
-    assert sorted(written) == sorted(keys)
+    assert calls == [("ns", "busy"), ("ns", "a")]
