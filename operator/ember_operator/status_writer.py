@@ -141,7 +141,7 @@ class StatusWriter:
 
     def is_echo(self, body: Mapping[str, Any]) -> bool:
         """Whether this object's status is exactly the one last written for it: the watch
-        bringing back our own write. Half the events of a settled object are these echoes,
+        bringing back our own write. Most events of a settled object are these echoes,
         and refreshing on each cost the status writers a pass over the indexes apiece."""
         meta = body["metadata"]
         cached = self._written.get((meta["namespace"], meta["name"]))
