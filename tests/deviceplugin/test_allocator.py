@@ -130,6 +130,32 @@ def test_superseded_unseen_allocation_released_by_the_allocate_itself(tmp_path: 
     assert alloc.reconcile({}, grace=1000) == []
 
 
+def test_incremental_supersede_matches_the_rule_over_every_allocation(tmp_path: Path) -> None:
+    """The unit index an Allocate batch consults gives what `_without_superseded` gives over
+    the whole list, for random multi-unit batches with reconciles and restarts in between."""
+    import random
+
+    from ember_runtime.deviceplugin.allocator import _without_superseded
+
+    rng = random.Random(7)
+    units = [f"davinci{d}-ctx{c}" for d in range(3) for c in range(3)]
+    checkpoint = Checkpoint(tmp_path / "a.json")
+    alloc = ContextAllocator(checkpoint, id_space=500, node_ordinal=None)
+    for step in range(300):
+        before = alloc.live()
+        batch = [[rng.sample(units, rng.randint(1, 3))] for _ in range(rng.randint(1, 4))]
+        results = alloc.allocate_batch(batch)
+        issued = [a for r in results if not isinstance(r, AllocationError) for a in r]
+        expected, _ = _without_superseded([*before, *issued])
+        assert alloc.live() == expected
+        assert alloc.live_ids() == {c for a in expected for c in a.contexts.values()}
+        if step % 50 == 49:  # a restart: the index is rebuilt from the checkpoint
+            alloc = ContextAllocator(checkpoint, id_space=500, node_ordinal=None)
+            assert alloc.live() == expected
+        if step % 70 == 69:
+            alloc.reconcile({}, grace=1000)  # nothing released, nothing bound: index intact
+
+
 def test_checkpoint_stays_a_node_long_under_churn(tmp_path: Path) -> None:
     checkpoint = Checkpoint(tmp_path / "a.json")
     alloc = ContextAllocator(checkpoint, id_space=1000, node_ordinal=None)

@@ -1,10 +1,12 @@
-"""GroupCommit: concurrent Allocate calls share checkpoint writes; a lone caller skips the
-thread hop. A real allocator and checkpoint in a temp dir."""
+"""GroupCommit: concurrent Allocate calls share checkpoint writes, a contended write waits its
+window for more callers, a lone caller skips the window and the thread hop. A real allocator
+and checkpoint in a temp dir."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,13 +47,29 @@ async def test_concurrent_calls_share_writes_and_get_distinct_ids(tmp_path: Path
     assert ContextAllocator(Checkpoint(tmp_path / "a.json"), 1000, None).live_ids() == set(ids)
 
 
-async def test_a_lone_caller_after_a_lone_batch_is_written_on_the_loop(tmp_path: Path) -> None:
+async def test_a_lone_caller_is_written_on_the_loop_without_waiting(tmp_path: Path) -> None:
     alloc = Recording(tmp_path / "a.json")
-    commits = GroupCommit(alloc)
+    commits = GroupCommit(alloc, window=0.5)
+    started = time.monotonic()
     for i in range(3):
         await commits.submit([[f"davinci0-ctx{i}"]])
-    threads = [t for _, t in alloc.batches]
+    assert time.monotonic() - started < 0.25  # the window is for contended writes only
     loop_thread = threading.get_ident()
-    assert threads[0] != loop_thread  # nothing known yet: a worker, as under contention
-    assert threads[1:] == [loop_thread, loop_thread]
+    assert [t for _, t in alloc.batches] == [loop_thread] * 3
     assert len(alloc.live_ids()) == 3
+
+
+async def test_after_a_shared_write_the_next_waits_for_callers_on_their_way(
+    tmp_path: Path,
+) -> None:
+    alloc = Recording(tmp_path / "a.json")
+    commits = GroupCommit(alloc, window=0.2)
+    await asyncio.gather(*(commits.submit([[f"davinci0-ctx{i}"]]) for i in range(2)))
+
+    async def late(i: int) -> list[Allocation]:
+        await asyncio.sleep(0.05)  # arrives while the first caller's write waits its window
+        return await commits.submit([[f"davinci1-ctx{i}"]])
+
+    first, second = await asyncio.gather(commits.submit([["davinci1-ctx9"]]), late(0))
+    assert [size for size, _ in alloc.batches] == [2, 2]  # without the window: [2, 1, 1]
+    assert first[0].contexts["davinci1"] != second[0].contexts["davinci1"]

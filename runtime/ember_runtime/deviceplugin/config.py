@@ -65,6 +65,16 @@ class PluginSettings(BaseSettings):
     reconcile_interval_seconds: PositiveSeconds = Field(
         default=10.0, description="How often allocations are checked against PodResources."
     )
+    commit_window_seconds: float = Field(
+        default=0.004,
+        ge=0,
+        le=0.1,
+        description=(
+            "Once concurrent Allocate calls shared a checkpoint write, the next write waits this "
+            "long for more callers to join it (fewer device flushes). The kubelet's own serial "
+            "calls never wait. 0: write as soon as the previous write is done."
+        ),
+    )
     release_grace_seconds: float = Field(
         default=60.0,
         ge=0,
