@@ -194,14 +194,14 @@ class GroupCommit:
     The durable write is the cost of an Allocate: on this VM kind about 0.2 ms of CPU for the
     O_DSYNC pwrite alone (a lone Allocate in process: 391 us on disk, 172 on tmpfs), plus the
     record and a thread hop, per batch. While one batch is being written new calls queue up
-    and the next write covers them. Under contention that
-    is not enough: gRPC hands calls to the loop one by one, so batches stayed at 2-3 calls and
-    the per-batch cost was paid every second call. So once a batch had company, the next one
-    waits `window` seconds for more callers first (a group-commit delay, as PostgreSQL's
-    commit_delay and MySQL's binlog_group_commit_sync_delay): fewer device flushes, which also
-    spares the eMMC/SD storage of edge boards. The kubelet itself calls Allocate one container
-    at a time, so its calls find the last batch alone and never wait. Contended batches are
-    written in a worker thread so ListAndWatch streams keep flowing.
+    and the next write covers them. Under contention that is not enough: gRPC hands calls to
+    the loop one by one, so batches stayed at 2-3 calls and the per-batch cost was paid every
+    second call. So once a batch had company, the next one waits `window` seconds for more
+    callers first (a group-commit delay, as PostgreSQL's commit_delay and MySQL's
+    binlog_group_commit_sync_delay): fewer device flushes, which also spares the eMMC/SD
+    storage of edge boards. The kubelet itself calls Allocate one container at a time, so its
+    calls find the last batch alone and never wait. Contended batches are written in a worker
+    thread so ListAndWatch streams keep flowing.
     """
 
     def __init__(self, allocator: ContextAllocator, window: float = 0.0) -> None:
