@@ -73,3 +73,20 @@ async def test_after_a_shared_write_the_next_waits_for_callers_on_their_way(
     first, second = await asyncio.gather(commits.submit([["davinci1-ctx9"]]), late(0))
     assert [size for size, _ in alloc.batches] == [2, 2]  # without the window: [2, 1, 1]
     assert first[0].contexts["davinci1"] != second[0].contexts["davinci1"]
+
+
+async def test_the_wait_ends_once_as_many_callers_as_last_time_are_pending(
+    tmp_path: Path,
+) -> None:
+    alloc = Recording(tmp_path / "a.json")
+    commits = GroupCommit(alloc, window=1.0)
+    await asyncio.gather(*(commits.submit([[f"davinci0-ctx{i}"]]) for i in range(4)))
+
+    async def soon(i: int) -> list[Allocation]:
+        await asyncio.sleep(0.02 * i)  # callers in lock-step come back one after another
+        return await commits.submit([[f"davinci1-ctx{i}"]])
+
+    started = time.monotonic()
+    await asyncio.gather(*(soon(i) for i in range(4)))
+    assert time.monotonic() - started < 0.5  # the fourth arrival closed it, not the window
+    assert [size for size, _ in alloc.batches] == [4, 4]

@@ -196,12 +196,15 @@ class GroupCommit:
     record and a thread hop, per batch. While one batch is being written new calls queue up
     and the next write covers them. Under contention that is not enough: gRPC hands calls to
     the loop one by one, so batches stayed at 2-3 calls and the per-batch cost was paid every
-    second call. So once a batch had company, the next one waits `window` seconds for more
-    callers first (a group-commit delay, as PostgreSQL's commit_delay and MySQL's
+    second call. So once a batch had company, the next one waits up to `window` seconds for
+    more callers first (a group-commit delay, as PostgreSQL's commit_delay and MySQL's
     binlog_group_commit_sync_delay): fewer device flushes, which also spares the eMMC/SD
-    storage of edge boards. The kubelet itself calls Allocate one container at a time, so its
-    calls find the last batch alone and never wait. Contended batches are written in a worker
-    thread so ListAndWatch streams keep flowing.
+    storage of edge boards. The wait ends early once as many calls are pending as the last
+    batch held: a few callers in lock-step (each sending again on its answer) are all back
+    well inside the window, and waiting it out left the CPU idle (4 callers: p50 7.5 ms
+    against 1.4 ms for a plugin without the write). The kubelet itself calls Allocate one
+    container at a time, so its calls find the last batch alone and never wait. Contended
+    batches are written in a worker thread so ListAndWatch streams keep flowing.
     """
 
     def __init__(self, allocator: ContextAllocator, window: float = 0.0) -> None:
@@ -209,23 +212,27 @@ class GroupCommit:
         self._window = window
         self._pending: list[tuple[list[list[str]], asyncio.Future[list[Allocation]]]] = []
         self._writer: asyncio.Task[None] | None = None
-        self._contended = False  # the last batch held more than one call
+        self._last = 0  # calls in the last batch: more than one is contention
+        self._company: asyncio.Future[None] | None = None  # set while a write gathers callers
 
     async def submit(self, requests: list[list[str]]) -> list[Allocation]:
         future: asyncio.Future[list[Allocation]] = asyncio.get_running_loop().create_future()
         self._pending.append((requests, future))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._drain())
+        elif len(self._pending) >= self._last:
+            _settle(self._company)  # as many as last time: the wait is over
         return await future
 
     async def _drain(self) -> None:
         while self._pending:
-            if self._contended and self._window > 0:
-                await asyncio.sleep(self._window)  # let the callers on their way join this write
+            contended = self._last > 1
+            if contended and self._window > 0 and len(self._pending) < self._last:
+                await self._gather_company()
             batch, self._pending = self._pending, []
             calls = [reqs for reqs, _ in batch]
             try:
-                if len(batch) == 1 and not self._contended:
+                if len(batch) == 1 and not contended:
                     # Uncontended (this call and the last batch were alone): the hop to a
                     # thread and back costs more CPU than the O_DSYNC write it would hide,
                     # and nothing else is waiting for the loop meanwhile.
@@ -237,12 +244,29 @@ class GroupCommit:
                     future.set_exception(exc)
                 continue
             finally:
-                self._contended = len(batch) > 1
+                self._last = len(batch)
             for (_, future), result in zip(batch, results, strict=True):
                 if isinstance(result, AllocationError):
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+
+    async def _gather_company(self) -> None:
+        """Wait for the callers on their way: `window` seconds, or until as many are pending
+        as the last batch held."""
+        loop = asyncio.get_running_loop()
+        self._company = loop.create_future()
+        timer = loop.call_later(self._window, _settle, self._company)
+        try:
+            await self._company
+        finally:
+            timer.cancel()
+            self._company = None
+
+
+def _settle(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
 
 
 class PluginServer:
