@@ -374,7 +374,8 @@ async def latency_rows(
     One run's p99 of 2,000 calls is set by a few dozen calls, most of them the first burst of
     32 against a fresh plugin, and it moved by 1.5x between runs minutes apart; taking turns
     puts both plugins in the same minutes, and the median of the rounds is what is reported
-    (with the range beside it). 4 callers: where the commit window costs most (small batches).
+    (with the range beside it). 4 callers: where the commit window cost most (small batches)
+    until a write stopped waiting once as many callers were back as the last one held.
     """
     runs: dict[tuple[str, int], list[tuple[float, float, float]]] = defaultdict(list)
     for _ in range(args.reps):

@@ -70,9 +70,10 @@ class PluginSettings(BaseSettings):
         ge=0,
         le=0.1,
         description=(
-            "Once concurrent Allocate calls shared a checkpoint write, the next write waits this "
-            "long for more callers to join it (fewer device flushes). The kubelet's own serial "
-            "calls never wait. 0: write as soon as the previous write is done."
+            "Once concurrent Allocate calls shared a checkpoint write, the next write waits up "
+            "to this long for more callers to join it (fewer device flushes), less once as many "
+            "are waiting as the last write held. The kubelet's own serial calls never wait. "
+            "0: write as soon as the previous write is done."
         ),
     )
     release_grace_seconds: float = Field(
