@@ -36,9 +36,10 @@ token, 256 of them in one call 0.55 s against 0.15-0.19 s for 64), the slowest f
 the whole burst's prompt work however it is cut, for any server. The later waves are bursts
 too: every request has the same length, so the clients stay in step, finish in the same step
 and come back together, and TTFT p50 is close to p99. A step log of Ember at 4 clients (not
-committed) showed each wave's first returning request arrive 10-50 ms before the others and
-get a step of its own, the other three sharing the next: about the same work as one step of
-all four, so holding the first back would cost it more than it saves the others.
+committed) showed a wave's first returning request get a step of its own (in the wave logged
+with arrival times it came 61-67 ms before the others, whose requests had finished one step
+later), the other three sharing the next: about the same work as one step of all four, so
+holding the first back would cost it more than it saves the others.
 
     .venv/bin/python bench/runtime_bench.py [--threads 2] [--clients 1,4,8,16] [--requests 48]
 
