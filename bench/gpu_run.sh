@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark in one command on the GPU machine (issue 17), repeatable:
+# The whole GPU benchmark in one command on the GPU machine (issue 17), repeatable. GPU_DIR is
+# made from a checkout by `python bench/gpu_prepare.py --out .gpu` (docs/gpu.md); then, on the
+# GPU machine, from the folder that holds it:
 #
-#   GPU_DIR=.gpu OUT=/tmp/out bash bench/gpu_run.sh [TOTAL_SECONDS]
-#   GPU_DIR=.gpu OUT=/tmp/out BENCH=burst bash bench/gpu_run.sh   # bench/gpu_burst.py instead
+#   GPU_DIR=.gpu OUT=/tmp/out bash .gpu/wt/bench/gpu_run.sh [TOTAL_SECONDS]
+#   GPU_DIR=.gpu OUT=/tmp/out BENCH=burst bash .gpu/wt/bench/gpu_run.sh   # gpu_burst.py instead
 #
 # GPU_DIR holds what the machine cannot download: `llama.cpp.tar.xz` (llama-cpp-python's
 # vendored llama.cpp, models/ docs/ tests/ and other backends removed), `llama_cpp_py.tgz`

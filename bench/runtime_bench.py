@@ -70,7 +70,6 @@ from bench.machine import steal_seconds
 RESULTS = Path(__file__).resolve().parent / "results"
 CTX_PER_SEQ = 512
 SLOTS = 16  # Ember maxBatchSize = llama-server -np
-LLAMA_SERVER_CACHE_RAM_MIB = 256
 _TOPICS = [
     "a lighthouse keeper who finds a message in a bottle",
     "a robot learning to paint landscapes in the mountains",
@@ -140,7 +139,37 @@ QUESTIONS = [
         "lost its connection",
     ]
 ]
-WORKLOADS = {"distinct": 64, "shared-chat": 32}  # workload -> max_tokens
+SHAPES = {"distinct": 64, "shared-chat": 32}  # prompt shape -> max_tokens
+# What a request asks of the sampler (the same body to every server). `client-defaults` sends no
+# sampling field at all: each server then samples with its own defaults (SAMPLED_WITH).
+SAMPLING: dict[str, dict[str, object]] = {
+    "greedy": {"temperature": 0},
+    "sampled": {"temperature": 0.8, "top_p": 0.95},
+    "client-defaults": {},
+}
+SAMPLED_WITH = {
+    "ember": {
+        "greedy": "temperature 0 (argmax)",
+        "sampled": "temperature 0.8, top_p 0.95 (no top_k: OpenAI's defaults otherwise)",
+        "client-defaults": "OpenAI's defaults: temperature 1, nothing filtered (full softmax)",
+    },
+    "llama-server": {
+        "greedy": "temperature 0 (argmax)",
+        "sampled": "temperature 0.8, top_p 0.95, and its own top_k 40, min_p 0.05",
+        "client-defaults": "its own defaults: top_k 40, top_p 0.95, min_p 0.05, temperature 0.8",
+    },
+}
+# A workload is a prompt shape and a sampling mode: "distinct/sampled".
+WORKLOADS = [
+    "distinct/greedy",
+    "distinct/sampled",
+    "distinct/client-defaults",
+    "shared-chat/greedy",
+]
+
+
+def max_tokens_of(workload: str) -> int:
+    return SHAPES[workload.partition("/")[0]]
 
 
 @dataclass
@@ -246,16 +275,23 @@ def pct(values: list[float], q: float) -> float:
 def request_body(
     workload: str, index: int, max_tokens: int, level: int = 0
 ) -> tuple[str, dict[str, object]]:
-    """(path, body) of request `index` of a workload: greedy, streaming, the same everywhere.
+    """(path, body) of request `index` of a workload ("shape/sampling"; a bare shape is
+    greedy): streaming, with usage, the same body to every server.
 
     Each request carries a serial (`level`.`index`) near its start, so no prompt repeats
     within a server's run: a server with a prompt cache that outlives its requests (llama-server's
     `--cache-ram`) would otherwise serve the later levels' "distinct" prompts from the cache
     of the earlier levels, and the prefix shared in (b) would be the whole prompt.
     """
-    common = {"max_tokens": max_tokens, "temperature": 0, "stream": True}
+    shape, _, mode = workload.partition("/")
+    common = {
+        "max_tokens": max_tokens,
+        **SAMPLING[mode or "greedy"],
+        "stream": True,
+        "stream_options": {"include_usage": True},  # tokens counted by the server's own usage
+    }
     serial = f"{level}.{index}"
-    if workload == "distinct":
+    if shape == "distinct":
         prompt = f"Story {serial}. {PROMPTS[index % len(PROMPTS)]}"
         return "/v1/completions", {"prompt": prompt, **common}
     messages = [
@@ -301,13 +337,17 @@ async def one_request(
     ttft = 0.0
     gaps: list[float] = []
     tokens = 0
+    usage: int | None = None
     response = await _send(client, path, body)
     try:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if not chunk_text(json.loads(line[6:])):
+            chunk = json.loads(line[6:])
+            if isinstance(chunk.get("usage"), dict):
+                usage = chunk["usage"].get("completion_tokens")
+            if not chunk_text(chunk):
                 continue
             now = time.perf_counter()
             if last is None:
@@ -318,7 +358,9 @@ async def one_request(
             tokens += 1
     finally:
         await response.aclose()
-    return RequestStats(ttft, gaps, tokens)
+    # The usage's count where the server sends one (a token whose text is half a UTF-8
+    # character makes no chunk of its own), else the text chunks.
+    return RequestStats(ttft, gaps, usage if isinstance(usage, int) else tokens)
 
 
 async def _open_connections(client: httpx.AsyncClient, count: int) -> None:
@@ -343,7 +385,7 @@ async def _run_clients(
     and what the failed ones said."""
     stats: list[RequestStats] = []
     failures: list[str] = []
-    max_tokens = WORKLOADS[workload]
+    max_tokens = max_tokens_of(workload)
     limits = httpx.Limits(max_connections=len(indices) + 2)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
         await _open_connections(client, len(indices))
@@ -498,7 +540,11 @@ def ember(name: str, model: Path, threads: int, **engine: object) -> Server:
     return Server(name, argv, port)
 
 
-def llama_server(model: Path, threads: int) -> Server:
+def llama_server(model: Path, threads: int, cache_ram: int | None = None) -> Server:
+    """llama-server as Ember runs: 16 slots of 512 cells in one pool (`-kvu`), the full-size
+    sliding-window cache Ember's context has (`--swa-full`, llama.cpp's context default; the
+    server's own default is off). Its host-RAM prompt cache at its default (8 GiB) or `cache_ram`
+    MiB: the bench runs both and each table row says which (the peer at its best)."""
     port = free_port()
     t = str(threads)
     argv = [
@@ -511,8 +557,12 @@ def llama_server(model: Path, threads: int) -> Server:
         str(port),
     ]
     argv += ["-t", t, "-tb", t, "-np", str(SLOTS), "-c", str(CTX_PER_SEQ * SLOTS), "-kvu"]
-    argv += ["--cache-ram", str(LLAMA_SERVER_CACHE_RAM_MIB), "--log-disable"]
-    return Server(f"llama-server -np {SLOTS}", argv, port)
+    argv += ["--swa-full", "--log-disable"]
+    name = f"llama-server -np {SLOTS}"
+    if cache_ram is not None:
+        argv += ["--cache-ram", str(cache_ram)]
+        name += f" --cache-ram {cache_ram}"
+    return Server(name, argv, port)
 
 
 def llama_cpp_server(model: Path, threads: int) -> Server:
@@ -534,6 +584,7 @@ def servers(model: Path, threads: int, which: list[str]) -> list[Server]:
             "ember (deterministic)", model, threads, deterministic=True
         ),
         "llama-server": lambda: llama_server(model, threads),
+        "llama-server-cr0": lambda: llama_server(model, threads, cache_ram=0),
         "llama_cpp.server": lambda: llama_cpp_server(model, threads),
     }
     return [
@@ -567,8 +618,18 @@ def table(results: list[LevelResult], rss: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
+def peer_best(results: list[LevelResult], workload: str, clients: int) -> LevelResult | None:
+    """The faster llama-server configuration at this workload and level: the peer at its best."""
+    rows = [
+        r
+        for r in results
+        if r.server.startswith("llama-server") and r.workload == workload and r.clients == clients
+    ]
+    return max(rows, key=lambda r: r.tok_s, default=None)
+
+
 def verdict(results: list[LevelResult], raw: float | None) -> list[str]:
-    """Every goal of issue 14 as a ratio, met or not."""
+    """Every goal of issues 14 and 33 as a ratio, met or missed."""
 
     def get(name: str, workload: str, clients: int) -> LevelResult | None:
         return next(
@@ -580,31 +641,35 @@ def verdict(results: list[LevelResult], raw: float | None) -> list[str]:
             None,
         )
 
-    peer_name = f"llama-server -np {SLOTS}"
     notes: list[str] = []
     levels = sorted({r.clients for r in results})
-    for workload in WORKLOADS:
+    for workload in dict.fromkeys(r.workload for r in results):
         for clients in levels:
-            ours, peer = get("ember", workload, clients), get(peer_name, workload, clients)
+            ours, peer = get("ember", workload, clients), peer_best(results, workload, clients)
             if ours is None or peer is None or not peer.tok_s:
                 continue
             ratio = ours.tok_s / peer.tok_s
             ttft = ours.ttft_p99 / peer.ttft_p99 if peer.ttft_p99 else float("nan")
-            goal = " (goal >= 1.1)" if workload == "distinct" and clients >= 8 else ""
+            goal = ""
+            if workload.startswith("distinct") and clients >= 8:
+                goal = f" (goal >= 1.1: {'met' if ratio >= 1.1 else 'missed'})"
             notes.append(
-                f"{workload}, {clients} clients: tok/s {ratio:.2f}x llama-server{goal}; "
-                f"TTFT p99 {ours.ttft_p99:.3f} vs {peer.ttft_p99:.3f} s = {ttft:.2f}x (goal <= 1)"
+                f"{workload}, {clients} clients: tok/s {ours.tok_s:.1f} vs {peer.tok_s:.1f} "
+                f"({peer.server}) = {ratio:.2f}x{goal}; TTFT p99 {ours.ttft_p99:.3f} vs "
+                f"{peer.ttft_p99:.3f} s = {ttft:.2f}x (goal <= 1: "
+                f"{'met' if ttft <= 1.0 else 'missed'})"
             )
-            notes.append(
-                f"{workload}, {clients} clients: first wave ({clients} prompts at once onto an "
-                f"idle server), slowest first token {ours.first_wave_ttft:.3f} vs "
-                f"{peer.first_wave_ttft:.3f} s (no goal; see the docstring)"
-            )
-            if workload == "shared-chat":
+            if workload.startswith("shared-chat"):
                 p50 = ours.ttft_p50 / peer.ttft_p50 if peer.ttft_p50 else float("nan")
                 notes.append(
-                    f"shared-chat, {clients} clients: TTFT p50 {ours.ttft_p50:.3f} vs "
+                    f"{workload}, {clients} clients: TTFT p50 {ours.ttft_p50:.3f} vs "
                     f"{peer.ttft_p50:.3f} s = {p50:.2f}x (goal <= 0.8)"
+                )
+            greedy = get("ember", workload.partition("/")[0] + "/greedy", clients)
+            if greedy is not None and greedy is not ours and greedy.tok_s:
+                notes.append(
+                    f"{workload}, {clients} clients: Ember keeps {ours.tok_s / greedy.tok_s:.0%} "
+                    "of its own greedy tok/s"
                 )
             slow = get("ember (deterministic)", workload, clients)
             if slow is not None and ours.tok_s:
@@ -612,7 +677,7 @@ def verdict(results: list[LevelResult], raw: float | None) -> list[str]:
                     f"{workload}, {clients} clients: deterministic mode costs "
                     f"{1 - slow.tok_s / ours.tok_s:.0%} of the default's tok/s"
                 )
-    single = get("ember", "distinct", 1)
+    single = get("ember", "distinct/greedy", 1)
     if single and raw and single.itl_p50:
         decode = 1.0 / single.itl_p50
         notes.append(
@@ -628,8 +693,11 @@ def plot(results: list[LevelResult], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     metrics = [("tok_s", "output tok/s"), ("ttft_p99", "TTFT p99 (s)"), ("itl_p99", "ITL p99 (s)")]
-    fig, axes = plt.subplots(len(WORKLOADS), len(metrics), figsize=(15, 8), squeeze=False)
-    for row, workload in enumerate(WORKLOADS):
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    fig, axes = plt.subplots(
+        len(workloads), len(metrics), figsize=(15, 3.6 * len(workloads)), squeeze=False
+    )
+    for row, workload in enumerate(workloads):
         for col, (attr, label) in enumerate(metrics):
             ax = axes[row][col]
             for name in dict.fromkeys(r.server for r in results):
@@ -640,7 +708,7 @@ def plot(results: list[LevelResult], path: Path) -> None:
             ax.set(xlabel="concurrent streaming clients", ylabel=label, title=workload)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle("Gemma 3 270M Q4_K_M: (a) distinct 64-token prompts, (b) shared system prompt")
+    fig.suptitle("Gemma 3 270M Q4_K_M: distinct ~64-token prompts and a shared system prompt")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -657,11 +725,11 @@ def run_interleaved(
     level (the single-stream goal's reference)."""
     results: list[LevelResult] = []
     bracket: list[float] = []
-    tokens, step = WORKLOADS["distinct"], 0
+    tokens, step = SHAPES["distinct"], 0
     for workload in workloads:
         for clients in levels:
             for server in started[step:] + started[:step]:
-                near = server.name == "ember" and workload == "distinct" and clients == 1
+                near = server.name == "ember" and workload == "distinct/greedy" and clients == 1
                 if near:
                     bracket.append(raw_decode_speed(model, args.threads, tokens, repack=True))
                 result = asyncio.run(run_level(server, workload, clients, args.requests))
@@ -679,7 +747,10 @@ def main() -> None:
     p.add_argument("--clients", default="1,4,8,16")
     p.add_argument("--requests", type=int, default=48, help="requests per level (at least)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--servers", default="ember,ember-deterministic,llama-server,llama_cpp.server")
+    p.add_argument(
+        "--servers",
+        default="ember,ember-deterministic,llama-server,llama-server-cr0,llama_cpp.server",
+    )
     p.add_argument("--model", type=Path)
     p.add_argument("--name", default="runtime_bench", help="results file stem")
     args = p.parse_args()
@@ -690,10 +761,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = args.model or default_model_path()
     levels = [int(c) for c in args.clients.split(",")]
-    workloads = args.workloads.split(",")
+    workloads = [w if "/" in w else f"{w}/greedy" for w in args.workloads.split(",")]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    raw = raw_decode_speed(model, args.threads, WORKLOADS["distinct"], repack=True)
-    raw_plain = raw_decode_speed(model, args.threads, WORKLOADS["distinct"], repack=False)
+    raw = raw_decode_speed(model, args.threads, SHAPES["distinct"], repack=True)
+    raw_plain = raw_decode_speed(model, args.threads, SHAPES["distinct"], repack=False)
     print(f"raw single-stream decode: {raw:.1f} tok/s ({raw_plain:.1f} without repack)")
     load_before, steal_before = os.getloadavg(), steal_seconds()
     rss: dict[str, int] = {}
@@ -722,8 +793,18 @@ def main() -> None:
         [
             f"`{command}` (threads {args.threads}, {os.cpu_count()} CPUs: {cpu}; context "
             f"{CTX_PER_SEQ} per sequence, {SLOTS} slots; llama-server "
-            f"`-np {SLOTS} -c {CTX_PER_SEQ * SLOTS} -kvu "
-            f"--cache-ram {LLAMA_SERVER_CACHE_RAM_MIB}`); {loads}",
+            f"`-np {SLOTS} -c {CTX_PER_SEQ * SLOTS} -kvu --swa-full`, its prompt cache at its "
+            f"default (8 GiB) and at `--cache-ram 0`, the faster one per row is the peer in the "
+            f"goals); {loads}",
+            "",
+            "What each server sampled with (every server gets the same request body; tokens are "
+            "counted from each stream's usage):",
+            "",
+            *(
+                f"- {mode}: Ember {SAMPLED_WITH['ember'][mode]}; llama-server "
+                f"{SAMPLED_WITH['llama-server'][mode]}"
+                for mode in SAMPLING
+            ),
             "",
             table(results, rss),
             "",

@@ -193,11 +193,16 @@ async def test_labels_pass(server: LiveServer) -> None:
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"presence_penalty": 1.0}, "presence_penalty"),
-        ({"logit_bias": {"42": 5}}, "logit_bias"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-        ({"extra_body": {"mirostat": 2}}, "mirostat"),  # not an OpenAI parameter at all
+        # llama-server's samplers that are not implemented here (docs/sampling.md)
+        ({"extra_body": {"mirostat": 2}}, "mirostat"),
+        ({"extra_body": {"dry_multiplier": 0.8}}, "dry_multiplier"),
+        ({"extra_body": {"xtc_probability": 0.5}}, "xtc_probability"),
+        ({"extra_body": {"top_n_sigma": 1.0}}, "top_n_sigma"),
+        ({"extra_body": {"dynatemp_range": 0.5}}, "dynatemp_range"),
+        ({"extra_body": {"samplers": ["top_k", "temperature"]}}, "samplers"),
+        ({"logit_bias": {"999999999": 5}}, "logit_bias"),  # not a token of this vocabulary
+        ({"extra_body": {"logit_bias": [[1, True]]}}, "logit_bias"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )
@@ -208,6 +213,59 @@ async def test_unimplemented_chat_parameters_are_400(
         with pytest.raises(openai.BadRequestError) as info:
             await chat(client, max_tokens=4, **extra)
         assert info.value.param == param, info.value.body
+
+
+async def test_llama_server_sampling_fields_are_honoured(server: LiveServer) -> None:
+    """What Open WebUI and LangChain's/LiteLLM's llama.cpp adapters send passes, and a switched
+    -off sampler's tuning knob changes nothing."""
+    fields = {
+        "top_k": 40,
+        "min_p": 0.05,
+        "typical_p": 0.95,
+        "repeat_penalty": 1.1,
+        "repeat_last_n": -1,
+        "min_keep": 2,
+        "ignore_eos": True,
+        "mirostat": 0,
+        "mirostat_tau": 5.0,
+        "dry_base": 1.75,
+    }
+    async with api(server) as client:
+        reply = await client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=6,
+            temperature=0.8,
+            top_p=0.95,
+            seed=7,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            extra_body=fields,
+        )
+        # ignore_eos: the reply runs to max_tokens whatever the model would end with
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage is not None and reply.usage.completion_tokens == 6
+
+
+async def test_logit_bias_moves_the_greedy_choice(server: LiveServer) -> None:
+    """Banning the greedy token (OpenAI's -100 by id, llama-server's false by text) leaves the
+    runner-up; +100 on another token makes it the choice."""
+    tokenize = server.state.engine.tokenize
+    async with api(server) as client:
+
+        async def first(**extra: Any) -> str:
+            reply = await client.completions.create(
+                model=MODEL, prompt="Monday, Tuesday,", max_tokens=1, temperature=0, **extra
+            )
+            return str(reply.choices[0].text)
+
+        best = await first()
+        (best_id,) = tokenize(best, add_special=False)
+        runner_up = await first(logit_bias={str(best_id): -100})
+        assert runner_up != best
+        assert await first(extra_body={"logit_bias": [[best, False]]}) == runner_up
+        (sunday,) = tokenize(" Sunday", add_special=False)
+        assert await first(logit_bias={str(sunday): 100}) == " Sunday"
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,13 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """A request's sampling, with llama-server's meaning for every field (docs/sampling.md).
+
+    Defaults are OpenAI's: temperature 1, nothing filtered. The engine applies them in
+    llama-server's order: logit bias → penalties → grammar → top_k → typical_p → top_p →
+    min_p → temperature.
+    """
+
     max_tokens: int
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
@@ -57,10 +64,30 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's plus the top k
     grammar: str | None = None  # GBNF (root rule "root") that every generated token must fit
+    top_k: int = 0  # <= 0: off
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    min_keep: int = 0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64  # tokens of the window (prompt included); resolved, never -1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit; -inf bans)
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        )
+
+    @property
+    def penalty_window(self) -> int:
+        return max(0, self.repeat_last_n) if self.penalized else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ import collections
 import concurrent.futures
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -101,6 +102,9 @@ log = logging.getLogger(__name__)
 # to this bound; past it a pass over the weights is compute-bound anyway on a small edge CPU.
 _PROBE_MAX_ROWS = 16
 _PROBE_PREFIX = 3  # tokens of context per probe sequence, so attention has cells to read
+# Rows are drawn on a pool only where this many cores are spare; at most this many threads.
+_MIN_SAMPLER_THREADS = 2
+_MAX_SAMPLER_THREADS = 8
 # llama.cpp logs every tensor at load time; keep warnings and errors only. The callback must
 # outlive the library, hence a module-level reference.
 _GGML_LEVELS = {3: logging.WARNING, 4: logging.ERROR}  # ggml: 1 debug, 2 info, 3 warn, 4 error
@@ -153,11 +157,56 @@ class _Stream:
         self._queue.put_nowait(delta)
 
 
+class _Grammar:
+    """llama.cpp's grammar sampler as a mask over a whole row, for the numpy sampler.
+
+    The row goes into a `llama_token_data` array the size of the vocabulary (ids laid out
+    once); llama.cpp sets the logit of every token the grammar forbids to -inf. Applied before
+    any filter, so a top_k or top_p prefilter never drops a token the grammar allows.
+    """
+
+    __slots__ = ("_arr", "_data", "_ll", "_smpl")
+
+    def __init__(self, ll: Any, vocab: Any, n_vocab: int, text: str) -> None:
+        smpl = ll.llama_sampler_init_grammar(vocab, text.encode(), b"root")
+        if not smpl:
+            raise InvalidRequestError(
+                "llama.cpp could not compile the grammar for response_format",
+                param="response_format",
+            )
+        self._ll, self._smpl = ll, smpl
+        self._data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+        self._data["id"] = np.arange(n_vocab, dtype=np.int32)
+        self._arr = ll.llama_token_data_array(
+            data=self._data.ctypes.data_as(ll.llama_token_data_p), size=n_vocab, selected=-1
+        )
+
+    def mask(self, row: np.ndarray) -> np.ndarray:
+        self._data["logit"] = row
+        self._arr.size, self._arr.selected, self._arr.sorted = len(self._data), -1, False
+        self._ll.llama_sampler_apply(self._smpl, ctypes.byref(self._arr))
+        out: np.ndarray = self._data["logit"].copy()
+        return out
+
+    def accept(self, tok: int) -> None:
+        self._ll.llama_sampler_accept(self._smpl, tok)
+
+    def free(self) -> None:
+        if self._smpl:
+            self._ll.llama_sampler_free(self._smpl)
+            self._smpl = None
+
+
+# llama_token_data: {int32 id; float logit; float p}
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
 class _Sequence:
     """The decode-thread side of one request."""
 
     __slots__ = (
         "generated",
+        "grammar",
         "last_token",
         "params",
         "prefilled",
@@ -169,7 +218,12 @@ class _Sequence:
     )
 
     def __init__(
-        self, stream: _Stream, prompt: list[int], params: SamplingParams, sampler: Any
+        self,
+        stream: _Stream,
+        prompt: list[int],
+        params: SamplingParams,
+        sampler: sampling.RowSampler,
+        grammar: _Grammar | None,
     ) -> None:
         self.stream = stream
         self.prompt = prompt
@@ -179,7 +233,8 @@ class _Sequence:
         self.prefilled = 0  # prompt tokens already submitted
         self.generated = 0
         self.last_token = -1
-        self.sampler: Any = sampler  # None: greedy argmax in numpy
+        self.sampler = sampler
+        self.grammar = grammar  # freed with the sequence
 
     @property
     def prompt_len(self) -> int:
@@ -213,7 +268,7 @@ class LlamaCppEngine:
             name="llamacpp",
             model_id=model_id or model_path.stem,
             context_length=context_length,
-            features=frozenset({"logprobs", "grammar"}),
+            features=frozenset({"logprobs", "grammar", "sampling"}),
         )
         self._path = model_path
         self._capacity = capacity
@@ -257,6 +312,8 @@ class LlamaCppEngine:
         self._n_vocab = 0
         self._chat_template: str | None = None
         self._builtin_template: str | None = None
+        self._eog_all: tuple[int, ...] | None = None
+        self._pool = _sampler_pool(threads)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -445,6 +502,8 @@ class LlamaCppEngine:
             raise EngineUnavailableError(f"llama.cpp failed the {what} decode")
 
     def _free(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         ll = self._ll
         if ll is None:
             return
@@ -523,9 +582,9 @@ class LlamaCppEngine:
                 raise QueueFullError(waiting)
         # Built here, on the event loop, so a grammar that llama.cpp cannot parse is the
         # client's 400 rather than an error delta later (it only reads the vocabulary).
-        sampler = None if params.greedy and params.grammar is None else self._make_sampler(params)
+        sampler, grammar = self._make_sampler(prompt, params)
         with self._cond:
-            self._pending.append(_Sequence(stream, prompt, params, sampler))
+            self._pending.append(_Sequence(stream, prompt, params, sampler, grammar))
             self._cond.notify()
         return stream
 
@@ -668,33 +727,30 @@ class LlamaCppEngine:
         self._slot_cache[src] = []
         seq.seq_id = dst
 
-    def _make_sampler(self, params: SamplingParams) -> Any:
-        """A llama.cpp sampler chain: grammar (if any) first, then greedy or top_p/temp/dist."""
-        ll = self._ll
-        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+    def _make_sampler(
+        self, prompt: list[int], params: SamplingParams
+    ) -> tuple[sampling.RowSampler, _Grammar | None]:
+        """The numpy sampler for a request, with llama.cpp's grammar as its mask (if any)."""
+        grammar = None
         if params.grammar is not None:
-            grammar = ll.llama_sampler_init_grammar(self._vocab, params.grammar.encode(), b"root")
-            if not grammar:
-                ll.llama_sampler_free(chain)
-                raise InvalidRequestError(
-                    "llama.cpp could not compile the grammar for response_format",
-                    param="response_format",
-                )
-            ll.llama_sampler_chain_add(chain, grammar)
-        if params.greedy:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
-            return chain
-        if params.top_p < 1.0:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(params.temperature))
-        seed = ll.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
-        return chain
+            grammar = _Grammar(self._ll, self._vocab, self._n_vocab, params.grammar)
+        eog = self._eog_tokens() if params.ignore_eos else ()
+        row = sampling.RowSampler(
+            params, prompt, eog_tokens=eog, grammar=grammar.mask if grammar else None
+        )
+        return row, grammar
+
+    def _eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token (what `ignore_eos` bans, as llama-server does)."""
+        if self._eog_all is None:
+            is_eog = self._ll.llama_vocab_is_eog
+            self._eog_all = tuple(t for t in range(self._n_vocab) if is_eog(self._vocab, t))
+        return self._eog_all
 
     def _free_sampler(self, seq: _Sequence) -> None:
-        if seq.sampler is not None:
-            self._ll.llama_sampler_free(seq.sampler)
-            seq.sampler = None
+        if seq.grammar is not None:
+            seq.grammar.free()
+            seq.grammar = None
 
     def _step(self) -> None:
         """One scheduling step: the calls `plan_step` chose, each decoded then sampled."""
@@ -754,12 +810,15 @@ class LlamaCppEngine:
     def _sample(self, outputs: list[tuple[_Sequence, int]]) -> None:
         ll, ctx = self._ll, self._ctx
         emits: list[tuple[_Stream, Delta]] = []
-        for seq, idx in outputs:
-            row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), (self._n_vocab,))
-            if seq.sampler is None:
-                tok = sampling.greedy(row)
-            else:  # the chain copies the logits: `row` stays the model's own distribution
-                tok = ll.llama_sampler_sample(seq.sampler, ctx, idx)
+        rows = [
+            np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), (self._n_vocab,))
+            for _seq, idx in outputs
+        ]
+        chosen = self._choose([seq for seq, _idx in outputs], rows)
+        for (seq, _idx), row, tok in zip(outputs, rows, chosen, strict=True):
+            seq.sampler.accept(tok)
+            if seq.grammar is not None:
+                seq.grammar.accept(tok)
             delta = self._advance(seq, tok, row)
             if delta is not None:
                 emits.append((seq.stream, delta))
@@ -767,6 +826,22 @@ class LlamaCppEngine:
                     self._release(seq)
         if emits and self._loop is not None:
             self._loop.call_soon_threadsafe(_deliver, emits)
+
+    def _choose(self, seqs: list[_Sequence], rows: list[np.ndarray]) -> list[int]:
+        """Each row's token. Rows that need more than an argmax go to the sampler pool where
+        there is one (spare cores: numpy's passes release the GIL), else in turn here."""
+        picks: list[int | None] = [
+            sampling.greedy(row) if seq.sampler.plain_greedy else None
+            for seq, row in zip(seqs, rows, strict=True)
+        ]
+        todo = [i for i, tok in enumerate(picks) if tok is None]
+        if self._pool is not None and len(todo) > 1:
+            drawn = list(self._pool.map(lambda i: seqs[i].sampler.sample(rows[i]), todo))
+        else:
+            drawn = [seqs[i].sampler.sample(rows[i]) for i in todo]
+        for i, tok in zip(todo, drawn, strict=True):
+            picks[i] = tok
+        return [int(tok) for tok in picks if tok is not None]
 
     def _advance(self, seq: _Sequence, tok: int, row: np.ndarray) -> Delta | None:
         seq.last_token = tok
@@ -865,6 +940,17 @@ class LlamaCppEngine:
         if n < 0:
             raise EngineError(f"cannot detokenize token {tok}")
         return buf.raw[:n]
+
+
+def _sampler_pool(engine_threads: int) -> concurrent.futures.ThreadPoolExecutor | None:
+    """Threads for drawing rows in parallel, from the cores llama.cpp's threads leave spare
+    (a GPU host: a 64-row step's draws would otherwise run one after another); None on a
+    small CPU box, where those cores are busy decoding and the draws stay on this thread."""
+    spare = len(os.sched_getaffinity(0)) - engine_threads
+    if spare < _MIN_SAMPLER_THREADS:
+        return None
+    workers = min(spare, _MAX_SAMPLER_THREADS)
+    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ember-sample")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

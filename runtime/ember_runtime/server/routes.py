@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -184,6 +185,7 @@ def _sampling(
         )
     if logprobs is not None:
         _require(state, "logprobs", "logprobs")
+    extras = _llama_sampling(body, state)
     state.metrics.prompt_tokens.inc(len(tokens))
     return SamplingParams(
         max_tokens=wanted,
@@ -193,7 +195,86 @@ def _sampling(
         stop=body.stop_strings(),
         logprobs=logprobs,
         grammar=grammar,
+        **extras,
     )
+
+
+# llama-server's sampling fields and the values at which they change nothing.
+_HARMLESS: dict[str, tuple[Any, ...]] = {
+    "top_k": (0,),
+    "min_p": (0.0,),
+    "typical_p": (1.0,),
+    "min_keep": (0,),
+    "repeat_penalty": (1.0,),
+    "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0),
+    "logit_bias": (None, {}, []),
+    "ignore_eos": (False,),
+}
+
+
+def _llama_sampling(
+    body: CompletionRequest | ChatCompletionRequest, state: AppState
+) -> dict[str, Any]:
+    """The request's llama-server sampling fields as SamplingParams fields; a 400 naming the
+    first one set to a value that matters when the engine does not implement them."""
+    if "sampling" not in state.engine.info.features:
+        for name, harmless in _HARMLESS.items():
+            if getattr(body, name) not in harmless:
+                _require(state, "sampling", name)
+        return {}
+    context = state.engine.info.context_length
+    return {
+        "top_k": max(0, body.top_k),
+        "min_p": body.min_p,
+        "typical_p": body.typical_p,
+        "min_keep": body.min_keep,
+        "repeat_penalty": body.repeat_penalty,
+        "repeat_last_n": context if body.repeat_last_n == -1 else body.repeat_last_n,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "logit_bias": _logit_bias(body.logit_bias, state),
+        "ignore_eos": body.ignore_eos,
+    }
+
+
+def _logit_bias(
+    bias: dict[str, float] | list[list[Any]] | None, state: AppState
+) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"id": bias} or llama-server's [[id or text, bias or false]] as (id, bias)
+    pairs; false bans (-inf), a text entry biases each of its tokens."""
+    if not bias:
+        return ()
+    vocab = state.engine.info.vocab_size
+    pairs: list[tuple[int, float]] = []
+    for key, value in bias.items() if isinstance(bias, dict) else map(_bias_pair, bias):
+        add = -math.inf if value is False else float(value)
+        if isinstance(key, str) and not key.lstrip("-").isdigit():
+            if isinstance(bias, dict):
+                raise APIError(400, "logit_bias keys are token ids", param="logit_bias")
+            pairs += [(t, add) for t in state.engine.tokenize(key, add_special=False)]
+            continue
+        if not 0 <= int(key) < vocab:
+            raise APIError(
+                400, f"logit_bias token ids must be within 0..{vocab - 1}", param="logit_bias"
+            )
+        pairs.append((int(key), add))
+    return tuple(pairs)
+
+
+def _bias_pair(entry: list[Any]) -> tuple[int | str, float | bool]:
+    """One llama-server logit_bias entry: [token id or text, a finite number or false]."""
+    ok = len(entry) == 2 and isinstance(entry[0], int | str) and not isinstance(entry[0], bool)
+    value = entry[1] if ok else None
+    if value is not False and (
+        isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+    ):
+        raise APIError(
+            400,
+            "logit_bias entries are [token id or text, a number or false]",
+            param="logit_bias",
+        )
+    return entry[0], value
 
 
 async def _respond(

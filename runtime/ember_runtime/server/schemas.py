@@ -19,11 +19,16 @@ MAX_STOP_STRINGS = 4
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bounds
 MAX_TOP_LOGPROBS = 20
 
-# OpenAI parameters not implemented here, with the values at which they change nothing.
+# Parameters not implemented here (OpenAI's and llama-server's), with the values at which they
+# change nothing. llama-server's knobs that only tune a sampler left off here (mirostat_tau,
+# dry_base, xtc_threshold, ...) pass at any value: they change nothing while it is off.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
+    "mirostat": (None, 0),
+    "dry_multiplier": (None, 0, 0.0),
+    "xtc_probability": (None, 0, 0.0),
+    "top_n_sigma": (None, -1, -1.0, 0, 0.0),
+    "dynatemp_range": (None, 0, 0.0),
+    "samplers": (None,),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -57,6 +62,18 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
+    # llama-server's sampling fields, with its meaning (docs/sampling.md); defaults change nothing.
+    top_k: int = 0  # <= 0: off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    typical_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    min_keep: Annotated[int, Field(ge=0)] = 0
+    repeat_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    repeat_last_n: Annotated[int, Field(ge=-1)] = 64  # -1: the whole context
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    # OpenAI: {"token id": bias}; llama-server also: [[token id or text, bias or false], ...]
+    logit_bias: dict[str, float] | list[list[Any]] | None = None
+    ignore_eos: bool = False
     # Pass through: they change nothing here (see the module docstring).
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -64,9 +81,21 @@ class _Sampling(_Request):
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
     # Not implemented: refused by `unsupported()` unless harmless.
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
+    mirostat: Any = None
+    dry_multiplier: Any = None
+    xtc_probability: Any = None
+    top_n_sigma: Any = None
+    dynatemp_range: Any = None
+    samplers: Any = None
+    # Tune only a sampler that is refused above unless off: change nothing here.
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
+    dry_base: Any = None
+    dry_allowed_length: Any = None
+    dry_penalty_last_n: Any = None
+    dry_sequence_breakers: Any = None
+    xtc_threshold: Any = None
+    dynatemp_exponent: Any = None
 
     def unsupported(self) -> str | None:
         """The first parameter set to a value this server does not implement, if any."""
