@@ -113,6 +113,13 @@ class EngineSettings(_Wire):
         description="llamacpp: layers offloaded to the GPU (None: every layer on nvidia-gpu, "
         "none elsewhere; 0 keeps the model on the CPU).",
     )
+    sampler_threads: int | None = Field(
+        default=None,
+        ge=0,
+        le=64,
+        description="llamacpp: threads that draw a step's rows in parallel (None: the cores "
+        "`threads` leaves spare, up to 8, and none when fewer than 2 are; 0: none).",
+    )
     args: dict[str, str] = Field(default_factory=dict)
 
     def offloaded_layers(self, accelerator: str) -> int:

@@ -11,6 +11,7 @@ checked token by token; a seed gives the same tokens whatever else is drawn.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -195,3 +196,14 @@ def test_top_set_holds_the_best_tokens() -> None:
             assert len(got) >= n
             # closed upwards: every token at least as good as the set's worst is in it
             assert np.array_equal(np.sort(got), np.flatnonzero(row >= row[got].min()))
+
+
+def test_the_sampler_pool_takes_spare_cores_only() -> None:
+    from ember_runtime.engines.llamacpp import _sampler_pool
+
+    cores = len(os.sched_getaffinity(0))
+    assert _sampler_pool(cores, None) is None  # llama.cpp's threads take every core
+    assert _sampler_pool(1, 0) is None  # switched off
+    pool = _sampler_pool(cores, 3)  # asked for: three threads whatever the cores
+    assert pool is not None and pool._max_workers == 3
+    pool.shutdown()

@@ -260,6 +260,7 @@ class LlamaCppEngine:
         repack: bool | None = None,
         kv_unified: bool | None = None,
         gpu_layers: int = 0,
+        sampler_threads: int | None = None,
         observer: StepObserver | None = None,
     ) -> None:
         if not 1 <= capacity <= 256:
@@ -313,7 +314,7 @@ class LlamaCppEngine:
         self._chat_template: str | None = None
         self._builtin_template: str | None = None
         self._eog_all: tuple[int, ...] | None = None
-        self._pool = _sampler_pool(threads)
+        self._pool = _sampler_pool(threads, sampler_threads)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -942,15 +943,19 @@ class LlamaCppEngine:
         return buf.raw[:n]
 
 
-def _sampler_pool(engine_threads: int) -> concurrent.futures.ThreadPoolExecutor | None:
-    """Threads for drawing rows in parallel, from the cores llama.cpp's threads leave spare
-    (a GPU host: a 64-row step's draws would otherwise run one after another); None on a
-    small CPU box, where those cores are busy decoding and the draws stay on this thread."""
-    spare = len(os.sched_getaffinity(0)) - engine_threads
-    if spare < _MIN_SAMPLER_THREADS:
+def _sampler_pool(
+    engine_threads: int, wanted: int | None
+) -> concurrent.futures.ThreadPoolExecutor | None:
+    """Threads that draw a step's rows in parallel (numpy's passes release the GIL), or None:
+    the draws then run one after another on the decode thread. `wanted` None takes the cores
+    llama.cpp's threads leave spare (a GPU host: a 64-row step's draws would otherwise queue),
+    up to 8, and none on a small CPU box."""
+    if wanted is None:
+        spare = len(os.sched_getaffinity(0)) - engine_threads
+        wanted = min(spare, _MAX_SAMPLER_THREADS) if spare >= _MIN_SAMPLER_THREADS else 0
+    if wanted <= 1:
         return None
-    workers = min(spare, _MAX_SAMPLER_THREADS)
-    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ember-sample")
+    return concurrent.futures.ThreadPoolExecutor(wanted, thread_name_prefix="ember-sample")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

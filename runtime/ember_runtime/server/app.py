@@ -58,6 +58,7 @@ def build_engine(
         repack=modes.repack,
         kv_unified=modes.kv_unified,
         gpu_layers=config.engine.offloaded_layers(config.accelerator),
+        sampler_threads=config.engine.sampler_threads,
         observer=observer,
     )
 
