@@ -1,28 +1,87 @@
-"""Ember's runtime vs `llama-server` on an NVIDIA GPU, with NVML readings and the thermal governor.
+"""Ember's runtime vs `llama-server` on an NVIDIA GPU (issue 33): greedy, sampled and
+client-default sampling, repeated, with NVML readings (and, optionally, the thermal governor).
 
-Runs on the GPU machine after `bench/gpu_build.sh` (driver: `bench/gpu_run.sh`). Everything the
-H200 run of issue 17 asks for, in priority order, each step skipped once `--deadline` seconds
-would be exceeded (what was skipped is written to the results, not hidden):
+Runs on the GPU machine after `bench/gpu_build.sh` (driver: `bench/gpu_run.sh`). Per model
+(random-weight GGUFs in real shapes, `bench/gpu_models.py`; by default only the 8B shape, which
+the goals are about: a second model would double every call's time), Ember (all layers
+offloaded, `engine.maxBatchSize` = the most clients) and `llama-server` from the same build
+(`llama_server_flags`) are started once and stay up for the whole call: an idle server holds
+GPU memory, not compute (~9 GiB each for the 8B shape: 4.4 GiB of weights, 4 GiB of f16 KV
+for 64 x 512 cells), and the H200's ~139 GiB holds both and the probe's third server. Then:
 
-1. `python -m ember_runtime.prewarm diagnose` (accelerator nvidia-gpu) on this machine;
-2. per model (random-weight GGUFs in real shapes, `bench/gpu_models.py`; the 7-8B one first):
-   Ember (all layers offloaded, `engine.maxBatchSize` = the most clients) then `llama-server`
-   from the same build (`LLAMA_SERVER_FLAGS`), one after the other, at 1, 8, 32 and
-   64 concurrent streaming clients of the CPU benchmark's load generator, its clients dealt
-   over `CLIENT_PROCS` processes (`distinct` workload: ~62-token prompts, 64 tokens out,
-   greedy; 8 requests per client): tok/s, TTFT and ITL p50/p99;
-3. the thermal governor on real NVML readings: Ember with `throttleCelsius` a few degrees above
-   the idle temperature under full load; the batch limit (`/metrics`) against the temperature
-   (NVML, sampled here at 10 Hz) and the ITL, over time;
+* workloads (`--workloads`, each `shape/sampling` of `bench/runtime_bench.py`): `distinct/greedy`
+  (temperature 0), `distinct/sampled` (temperature 0.8, top_p 0.95) and
+  `distinct/client-defaults` (no sampling field: each server samples with its own defaults);
+  ~62-token distinct prompts, 64 tokens out; both servers get the same request bodies
+  (`runtime_bench.request_body`), streaming with usage, and tokens are counted from each
+  stream's usage;
+* levels of 8, 32 and 64 concurrent streaming clients, each run for `--level-seconds` (20):
+  every client sends requests back to back until the deadline; the requests in flight then
+  finish and count; tok/s = tokens / (last request's end - the common start). The clients are
+  dealt over `CLIENT_PROCS` processes and each opens its connection before the clock starts;
+* order: for each workload, for each of `--reps` (3) repeats, for each level, every server in
+  turn, the order rotating by one server each level. Each level's requests carry a serial of
+  their own (the same for every server), so no prompt repeats within a server's run and no
+  prefix cache serves one;
+* the peer at its best: for a workload other than greedy (with `--probe-backend-sampling`, on
+  by default) a second llama-server with `--backend-sampling` (its sampler chain on the GPU) is
+  started, both llama-servers run that workload once at 32 clients for `--level-seconds`
+  before the repeats, the faster (tok/s) is the peer of the repeats (its name in the rows says
+  which) and the slower is stopped. The probe's rows are in the JSON, a line in the markdown;
+* then, unless `--skip-diagnose` / `--skip-thermal`: `python -m ember_runtime.prewarm diagnose`
+  (first) and the thermal governor on real NVML readings after the first model (Ember with
+  `throttleCelsius` a few degrees above idle, 64 clients for 75 s: the batch limit from
+  `/metrics` against NVML's temperature and the ITL over time).
 
-with NVML (temperature, power, SM clock) sampled through the whole run. Writes
-`OUT/gpu_bench.{json,md,png}` and `OUT/gpu_thermal.png`.
+NVML (temperature, power, SM clock, utilisation) is sampled at 10 Hz through the whole call.
+Every repeat (all its levels) and every step starts only if it fits in what is left of
+`--deadline` seconds; what did not is listed in the results, not hidden. Writes
+`OUT/gpu_bench.{json,md,png}` (and `OUT/gpu_thermal.png`): per (model, workload, server,
+clients) the per-repeat rows in the JSON; in the markdown the median and range (min-max) over
+the repeats, what each server sampled with, and the goals as met/missed with their ratios.
 
     python bench/gpu_bench.py --llama-server BIN --models DIR --out DIR [--deadline S]
+        [--workloads W,...] [--reps 3] [--level-seconds 20] [--no-probe-backend-sampling]
+        [--skip-thermal] [--skip-diagnose] [--only llama-8b] [--previous OLD.json]
 
-`--servers llama-server --previous OLD.json` reruns one server only and keeps the other's rows
-(and the thermal run and diagnosis) from OLD.json, saying in the results which run each came
-from: same build and machine kind, a fraction of the device time.
+One call per workload: a GPU call runs 10 minutes at most, and one workload takes 8-9 of them.
+Estimated, per call: ~25 s in gpu_run.sh (wheels, the carried build unpacked), ~30 s to write
+the 8B GGUF (not timed yet), ~5 s to start both servers, for a workload other than greedy the
+probe (a third server, 2 levels: ~50 s), then 3 repeats x 3 levels x 2 servers x ~23 s (20 s,
+~1 s to fork the client processes and open their connections, ~1-3 s of requests in flight at
+the deadline) = ~415 s: greedy ~8 min, sampled and client-defaults ~9 min each. Each call is
+given 590 s (gpu_run.sh's argument; the device tool's limit is 600 s) so that a slow start
+does not cost the last repeat. `--previous OLD.json` keeps OLD.json's rows of the (model,
+workload) pairs this call does not measure (and its thermal run and diagnosis where this call
+has none): the JSON lists every call (`calls`: when, with what arguments, what was skipped)
+and each workload's rows say which call measured them, as does the markdown, so the last
+call's gpu_bench.{json,md,png} hold all three workloads.
+
+Through `bench/gpu_run.sh` and the device tool (each call runs on a fresh copy of the repo,
+with `carry: [".gpu"]` and `timeout_s: 600`; only `$OUT`'s files come back; FILES_AT below is
+where the tool puts them), from the repo root:
+
+    python bench/gpu_prepare.py --out .gpu      # rebuilds .gpu from scratch: art/, prev/ too
+    # call 1 (~6 min): the CUDA build only; its binaries come back as art.tar.xz.part-*
+    GPU_DIR=.gpu OUT=$OUT BENCH=build bash .gpu/wt/bench/gpu_run.sh 590
+    mkdir -p .gpu/art && cp FILES_AT/art.tar.xz.part-* .gpu/art/
+    # call 2 (~8 min)
+    GPU_DIR=.gpu OUT=$OUT BENCH_ARGS="--workloads distinct/greedy --skip-thermal --skip-diagnose" \
+      bash .gpu/wt/bench/gpu_run.sh 590
+    mkdir -p .gpu/prev && cp FILES_AT/gpu_bench.json .gpu/prev/
+    # call 3 (~9 min): gpu_run.sh adds `--previous .gpu/prev/gpu_bench.json` when it exists
+    GPU_DIR=.gpu OUT=$OUT BENCH_ARGS="--workloads distinct/sampled --skip-thermal --skip-diagnose" \
+      bash .gpu/wt/bench/gpu_run.sh 590
+    cp FILES_AT/gpu_bench.json .gpu/prev/
+    # call 4 (~9 min): then FILES_AT/gpu_bench.{json,md,png} hold all three workloads
+    GPU_DIR=.gpu OUT=$OUT \
+      BENCH_ARGS="--workloads distinct/client-defaults --skip-thermal --skip-diagnose" \
+      bash .gpu/wt/bench/gpu_run.sh 590
+
+About 32 minutes of calls, plus 1-2 minutes for every machine start: over the 30 minutes the
+issue allows unless the next call comes while the machine is still warm (30 s), when gpu_run.sh
+reuses the build left in /tmp and the GGUF is not written again (~40 s less a call), or
+client-defaults runs without the probe (`--no-probe-backend-sampling`, ~50 s less).
 """
 
 from __future__ import annotations
@@ -31,11 +90,14 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,27 +108,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_models import write_model
 from bench.runtime_bench import (
     CTX_PER_SEQ,
+    SAMPLED_WITH,
+    SAMPLING,
+    SHAPES,
     LevelResult,
+    RequestStats,
     Server,
+    _level_result,
+    _open_connections,
     free_port,
     one_request,
     request_body,
-    run_level_procs,
 )
 
-LEVELS = (1, 8, 32, 64)
+LEVELS = (8, 32, 64)
 MAX_TOKENS = 64
 THREADS = 8  # CPU threads for either server; with every layer on the GPU they only feed it
 THERMAL_SECONDS = 75.0
 # The load generator's clients are dealt over this many processes (the GPU machine has 16
 # cores): one event loop parsing a 2,000 tok/s stream lags, and the lag reads as TTFT.
 CLIENT_PROCS = 8
-
-
-def requests_for(clients: int) -> int:
-    """Enough requests for a p99 at every level, without spending minutes on one client: 8
-    per client (at 3, a level's p99 was its single slowest request, the first wave's)."""
-    return max(32, 8 * clients)
+WORKLOADS = ("distinct/greedy", "distinct/sampled", "distinct/client-defaults")
+EMBER = "ember"
+PEER = "llama-server"
+PEER_BS = "llama-server --backend-sampling"
+PROBE_CLIENTS = 32
+START_DELAY = 1.0  # s from a level's forks to its common start: processes up, connections open
+# A level's seconds beyond its duration (the forks and connections, the requests in flight at
+# the deadline, the pool's end), for the deadline's arithmetic.
+LEVEL_OVERHEAD = 4.0
 
 
 # --- NVML, sampled here independently of the runtime ------------------------------------------
@@ -150,7 +220,7 @@ def ember_server(model: Path, slots: int, work: Path, thermal: dict[str, Any] | 
     path.write_text(json.dumps(config))
     argv = [sys.executable, "-m", "ember_runtime.server", "--config", str(path)]
     argv += ["--model", str(model), "--log-level", "warning"]
-    return Server("ember", argv, port)
+    return Server(EMBER, argv, port)
 
 
 def llama_server_flags(slots: int) -> list[str]:
@@ -165,38 +235,53 @@ def llama_server_flags(slots: int) -> list[str]:
     ]  # fmt: skip
 
 
-def llama_server(binary: Path, model: Path, slots: int) -> Server:
+def llama_server(binary: Path, model: Path, slots: int, backend_sampling: bool = False) -> Server:
+    """`backend_sampling`: its sampler chain runs on the GPU, in the decode's graph
+    (`--backend-sampling`, experimental in this build), instead of on the CPU after it."""
     port = free_port()
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     argv += [*llama_server_flags(slots), "--log-disable"]
-    return Server("llama-server", argv, port)
+    if backend_sampling:
+        argv.append("--backend-sampling")
+    return Server(PEER_BS if backend_sampling else PEER, argv, port)
 
 
-def bench_server(server: Server, work: Path, nvml: NvmlLog) -> tuple[list[dict[str, Any]], float]:
-    began = time.monotonic()
-    server.start(work)
-    load_s = time.monotonic() - began
-    rows = []
-    try:
-        for clients in LEVELS:
-            t0 = time.monotonic() - nvml.t0
-            result: LevelResult = run_level_procs(
-                server, "distinct", clients, requests_for(clients), CLIENT_PROCS
-            )
-            row = asdict(result) | {"nvml": nvml.window(t0, time.monotonic() - nvml.t0)}
-            rows.append(row)
-            print(
-                f"  {server.name} {clients:>2} clients: {result.tok_s:7.1f} tok/s, TTFT p50/p99 "
-                f"{result.ttft_p50 * 1e3:.0f}/{result.ttft_p99 * 1e3:.0f} ms, ITL p50/p99 "
-                f"{result.itl_p50 * 1e3:.1f}/{result.itl_p99 * 1e3:.1f} ms, errors "
-                f"{result.errors}",
-                flush=True,
-            )
-        if server.name == "ember":
-            rows[-1]["metrics_sample"] = gpu_metrics(server)
-    finally:
-        server.stop()
-    return rows, load_s
+class Fleet:
+    """One model's servers, each started on first use and kept up until stopped: all of them
+    stay up for the whole call (an idle server holds GPU memory, not compute, and the H200
+    holds all three), but for the llama-server configuration that lost the peer probe."""
+
+    def __init__(self, binary: Path, model: Path, slots: int, work: Path) -> None:
+        self.work = work
+        self.makers: dict[str, Callable[[], Server]] = {
+            EMBER: lambda: ember_server(model, slots, work, None),
+            PEER: lambda: llama_server(binary, model, slots),
+            PEER_BS: lambda: llama_server(binary, model, slots, backend_sampling=True),
+        }
+        self.up: dict[str, Server] = {}
+        self.load_seconds: dict[str, float] = {}
+
+    def get(self, name: str) -> Server:
+        if name not in self.up:
+            server = self.makers[name]()
+            began = time.monotonic()
+            try:
+                server.start(self.work)
+            except BaseException:
+                server.stop()
+                raise
+            self.load_seconds[name] = round(time.monotonic() - began, 1)
+            self.up[name] = server
+        return self.up[name]
+
+    def stop(self, name: str) -> None:
+        server = self.up.pop(name, None)
+        if server is not None:
+            server.stop()
+
+    def stop_all(self) -> None:
+        for name in list(self.up):
+            self.stop(name)
 
 
 def gpu_metrics(server: Server) -> list[str]:
@@ -204,6 +289,82 @@ def gpu_metrics(server: Server) -> list[str]:
     text = httpx.get(server.base + "/metrics", timeout=10).text
     keys = ("ember_device_temperature", "ember_gpu_", "ember_max_batch_size")
     return [line for line in text.splitlines() if line.startswith(keys)]
+
+
+# --- a level: clients back to back for a duration -----------------------------------------------
+
+
+async def _clients_for(
+    base: str,
+    workload: str,
+    clients: int,
+    indices: list[int],
+    *,
+    serial: int,
+    window: tuple[float, float],
+) -> tuple[list[RequestStats], list[str], float]:
+    """Clients `indices` (of `clients` in the level), each sending requests back to back from
+    `window[0]` until `window[1]` (wall clock; connections are opened before the start); the
+    requests in flight at the end finish and count. Returns their stats, what the failed ones
+    said, and when the last one ended."""
+    start_at, stop_at = window
+    stats: list[RequestStats] = []
+    failures: list[str] = []
+    last_end = start_at
+    limits = httpx.Limits(max_connections=len(indices) + 2)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        await _open_connections(client, len(indices))
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+
+        async def worker(index: int) -> None:
+            nonlocal last_end
+            turn = 0
+            while time.time() < stop_at:
+                path, body = request_body(workload, index + turn * clients, MAX_TOKENS, serial)
+                try:
+                    stat = await one_request(client, path, body)
+                    stat.turn = turn
+                    stats.append(stat)
+                except httpx.HTTPError as exc:
+                    failures.append(f"{type(exc).__name__}: {exc}"[:200])
+                    await asyncio.sleep(0.1)  # a server that refuses is not hammered
+                last_end = max(last_end, time.time())
+                turn += 1
+
+        await asyncio.gather(*(worker(i) for i in indices))
+    return stats, failures, last_end
+
+
+def _clients_process(
+    args: tuple[str, str, int, list[int], int, tuple[float, float]],
+) -> tuple[list[RequestStats], list[str], float]:
+    base, workload, clients, indices, serial, window = args
+    return asyncio.run(_clients_for(base, workload, clients, indices, serial=serial, window=window))
+
+
+def run_level_for(
+    server: Server, workload: str, clients: int, seconds: float, serial: int
+) -> LevelResult:
+    """`clients` clients back to back for `seconds`, dealt over `CLIENT_PROCS` forked
+    processes (as `runtime_bench.run_level_procs`, which sends a count of requests instead)
+    that all start together; tok/s over the wall from that start to the last request's end.
+    `serial` goes into every prompt (`request_body`'s `level`): one per level, the same for
+    every server."""
+    import multiprocessing
+
+    procs = max(1, min(CLIENT_PROCS, clients))
+    start_at = time.time() + START_DELAY
+    window = (start_at, start_at + seconds)
+    jobs = [
+        (server.base, workload, clients, list(range(clients))[p::procs], serial, window)
+        for p in range(procs)
+    ]
+    with multiprocessing.get_context("fork").Pool(procs) as pool:
+        parts = pool.map(_clients_process, jobs)
+    stats = [s for part in parts for s in part[0]]
+    failures = [f for part in parts for f in part[1]]
+    wall = max(1e-6, max(part[2] for part in parts) - start_at)
+    return _level_result(server, workload, clients, wall, (stats, failures))
 
 
 # --- the governor on real readings --------------------------------------------------------------
@@ -347,93 +508,410 @@ def diagnose(model: Path, work: Path) -> dict[str, Any]:
     return {"exit": out.returncode, "table": out.stdout, "stderr": out.stderr[-2000:]}
 
 
+# --- the call: workloads x repeats x levels x servers --------------------------------------------
+
+
+def is_greedy(workload: str) -> bool:
+    return workload.partition("/")[2] in ("", "greedy")
+
+
+@dataclass
+class Call:
+    """One call's state: the report being written, the deadline, the rotation and serials."""
+
+    args: argparse.Namespace
+    report: dict[str, Any]
+    nvml: NvmlLog
+    stop_at: float
+    index: int = 1  # this call's number among the report's calls (1 without --previous)
+    step: int = 0  # the servers' rotation: advances by one every level
+    serial: int = 0  # the last level's serial (its prompts' `request_body` level)
+    record: dict[str, Any] = field(default_factory=dict)  # this call's entry in report["calls"]
+
+    def left(self) -> float:
+        return float(self.stop_at - time.monotonic())
+
+    def fits(self, seconds: float) -> bool:
+        return self.left() >= seconds
+
+    def level_cost(self) -> float:
+        return float(self.args.level_seconds) + LEVEL_OVERHEAD
+
+    def skip(self, what: str) -> None:
+        note = f"{what} ({self.left():.0f} s left)"
+        print(f"skipped: {note}", flush=True)
+        self.record["skipped"].append(note)
+
+    def rotate(self, servers: list[Server]) -> list[Server]:
+        order = servers[self.step % len(servers) :] + servers[: self.step % len(servers)]
+        self.step += 1
+        return order
+
+    def next_serial(self) -> int:
+        self.serial += 1
+        return self.serial
+
+    def measure(
+        self, server: Server, workload: str, clients: int, serial: int, rep: int
+    ) -> dict[str, Any]:
+        t0 = time.monotonic() - self.nvml.t0
+        r = run_level_for(server, workload, clients, self.args.level_seconds, serial)
+        window = self.nvml.window(t0, time.monotonic() - self.nvml.t0)
+        print(
+            f"  {workload} {f'rep {rep}' if rep else 'probe'} {r.server} {clients:>2} clients: "
+            f"{r.tok_s:7.1f} tok/s, "
+            f"TTFT p50/p99 {r.ttft_p50 * 1e3:.0f}/{r.ttft_p99 * 1e3:.0f} ms, ITL p50/p99 "
+            f"{r.itl_p50 * 1e3:.1f}/{r.itl_p99 * 1e3:.1f} ms, {r.requests} requests, errors "
+            f"{r.errors}",
+            flush=True,
+        )
+        extra = {"rep": rep, "serial": serial, "seconds": self.args.level_seconds}
+        return {**asdict(r), **extra, "nvml": window}
+
+    def save(self) -> None:
+        self.record["nvml_trace"] = [asdict(s) for s in self.nvml.samples[::5]]
+        out = self.args.out
+        (out / "gpu_bench.json").write_text(json.dumps(self.report, indent=1))
+        (out / "gpu_bench.md").write_text(markdown(self.report))
+
+
+def probe_peer(call: Call, fleet: Fleet, workload: str, entry: dict[str, Any]) -> str:
+    """Both llama-server configurations once at `PROBE_CLIENTS` clients: the faster is the
+    peer of the repeats, the slower is stopped (its memory freed)."""
+    try:
+        fleet.get(PEER_BS)
+    except RuntimeError as exc:
+        call.skip(f"{workload}: peer probe, {PEER_BS} did not start: {exc}")
+        return PEER
+    serial = call.next_serial()
+    for name in (PEER, PEER_BS):
+        entry["probe"].append(call.measure(fleet.get(name), workload, PROBE_CLIENTS, serial, 0))
+    best = str(max(entry["probe"], key=lambda r: r["tok_s"])["server"])
+    fleet.stop(PEER_BS if best == PEER else PEER)
+    return best
+
+
+def run_workload(call: Call, fleet: Fleet, model: str, workload: str) -> None:
+    """The peer probe (not for greedy), then the repeats; the entry replaces a previous call's
+    rows of this (model, workload) once it holds a row."""
+    entry: dict[str, Any] = {"call": call.index, "peer": PEER, "probe": [], "rows": []}
+
+    def publish() -> None:
+        call.report["runs"].setdefault(model, {})[workload] = entry
+        call.save()
+
+    if not is_greedy(workload) and call.args.probe_backend_sampling:
+        if call.fits(2 * call.level_cost() + 20):
+            entry["peer"] = probe_peer(call, fleet, workload, entry)
+            publish()
+        else:
+            call.skip(f"{model} {workload}: peer probe (plain llama-server kept)")
+    servers = [fleet.get(EMBER), fleet.get(entry["peer"])]
+    reps = int(call.args.reps)
+    for rep in range(1, reps + 1):
+        if not call.fits(len(LEVELS) * len(servers) * call.level_cost()):
+            call.skip(f"{model} {workload}: repeat{f's {rep}-{reps}' if rep < reps else f' {rep}'}")
+            break
+        for clients in LEVELS:
+            serial = call.next_serial()
+            for server in call.rotate(servers):
+                entry["rows"].append(call.measure(server, workload, clients, serial, rep))
+                publish()
+
+
+def bench_model(call: Call, name: str, model: Path, workloads: list[str]) -> None:
+    """Every workload on one model, its servers up for all of them."""
+    need = len(LEVELS) * 2 * call.level_cost() + 30  # the servers' start and one repeat
+    if not workloads or not call.fits(need):
+        if workloads:
+            call.skip(f"{name}: every workload")
+        return
+    fleet = Fleet(call.args.llama_server, model, max(LEVELS), call.args.out / "work")
+    try:
+        for server in (EMBER, PEER):  # both up before any level, for the whole call
+            fleet.get(server)
+        for workload in workloads:
+            print(f"{name}: {workload}", flush=True)
+            run_workload(call, fleet, name, workload)
+        if EMBER in fleet.up:
+            call.report.setdefault("metrics_sample", {})[name] = gpu_metrics(fleet.up[EMBER])
+    finally:
+        for server, seconds in fleet.load_seconds.items():
+            call.record["load_seconds"][f"{name}/{server}"] = seconds
+        fleet.stop_all()
+
+
+def plan_seconds(args: argparse.Namespace, workloads: list[str]) -> float:
+    """What the levels of one model take, by `LEVEL_OVERHEAD`'s estimate: printed up front."""
+    cost = float(args.level_seconds) + LEVEL_OVERHEAD
+    probes = sum(1 for w in workloads if not is_greedy(w) and args.probe_backend_sampling)
+    return (len(workloads) * int(args.reps) * len(LEVELS) * 2 + 2 * probes) * cost
+
+
 # --- report -----------------------------------------------------------------------------------
 
+Row = dict[str, Any]
+# The per-repeat figures summarised as median (min-max): key, scale, format.
+METRICS = (
+    ("tok_s", 1.0, "{:.0f}"),
+    ("ttft_p50", 1e3, "{:.1f}"),
+    ("ttft_p99", 1e3, "{:.1f}"),
+    ("itl_p50", 1e3, "{:.2f}"),
+    ("itl_p99", 1e3, "{:.2f}"),
+)
 
-def verdict(runs: dict[str, dict[str, list[dict[str, Any]]]], model: str) -> list[str]:
-    lines = []
-    ember = {r["clients"]: r for r in runs.get(model, {}).get("ember", [])}
-    peer = {r["clients"]: r for r in runs.get(model, {}).get("llama-server", [])}
-    for clients in (8, 32, 64):
-        e, p = ember.get(clients), peer.get(clients)
-        if e is None or p is None:
-            lines.append(f"- {model}, {clients} clients: not measured")
-            continue
-        ratio = e["tok_s"] / p["tok_s"]
-        ok_rate = "met" if ratio >= 1.0 else "missed"
-        ok_ttft = "met" if e["ttft_p99"] <= p["ttft_p99"] else "missed"
-        lines.append(
-            f"- {model}, {clients} clients: tok/s {e['tok_s']:.0f} vs {p['tok_s']:.0f} = "
-            f"{ratio:.2f}x (goal >= 1.0x: {ok_rate}); TTFT p99 {e['ttft_p99'] * 1e3:.0f} vs "
-            f"{p['ttft_p99'] * 1e3:.0f} ms (goal <=: {ok_ttft})"
+
+def groups(rows: list[Row]) -> dict[tuple[str, int], list[Row]]:
+    """Rows by (server, clients), Ember first, in the order the servers first appear."""
+    out: dict[tuple[str, int], list[Row]] = {}
+    for r in sorted(rows, key=lambda r: (r["server"] != EMBER, r["clients"])):
+        out.setdefault((r["server"], r["clients"]), []).append(r)
+    return out
+
+
+def median(rows: list[Row], key: str) -> float:
+    return float(statistics.median(r[key] for r in rows))
+
+
+def spread(rows: list[Row], key: str, scale: float, fmt: str) -> str:
+    """`median (min-max)` over the repeats."""
+    values = [r[key] * scale for r in rows]
+    low, mid, high = (fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
+    return f"{mid} ({low}–{high})" if len(values) > 1 else mid
+
+
+def nvml_means(rows: list[Row]) -> str:
+    n = [r["nvml"] for r in rows]
+    hottest = max(x["celsius_max"] for x in n)
+    means = [sum(x[k] for x in n) / len(n) for k in ("watts_mean", "sm_mhz_mean", "util_mean")]
+    return f"{hottest:.0f} | {means[0]:.0f} | {means[1]:.0f} | {means[2]:.0f}"
+
+
+def table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    out = [
+        "| model | workload | server | clients | reps | requests/rep | tok/s | TTFT p50 (ms) "
+        "| TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | errors | GPU °C max | W mean "
+        "| SM MHz mean | util % | call |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for model, by_workload in runs.items():
+        for workload, entry in by_workload.items():
+            for (server, clients), rows in groups(entry["rows"]).items():
+                cells = " | ".join(spread(rows, k, s, f) for k, s, f in METRICS)
+                out.append(
+                    f"| {model} | {workload} | {server} | {clients} | {len(rows)} "
+                    f"| {median(rows, 'requests'):.0f} | {cells} "
+                    f"| {sum(r['errors'] for r in rows)} | {nvml_means(rows)} | {entry['call']} |"
+                )
+    return out
+
+
+def sampled_with(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """What each server sampled with, per workload measured (the peer as it ran)."""
+    out = []
+    peers = {w: e["peer"] for by_workload in runs.values() for w, e in by_workload.items()}
+    for workload, peer in peers.items():
+        mode = workload.partition("/")[2] or "greedy"
+        body = json.dumps(SAMPLING[mode]) if SAMPLING[mode] else "no sampling field"
+        where = "; its sampler chain on the GPU" if peer == PEER_BS else ""
+        out.append(
+            f"- {workload} (request: {body}): Ember {SAMPLED_WITH['ember'][mode]}; {peer} "
+            f"{SAMPLED_WITH['llama-server'][mode]}{where}"
         )
-    return lines
+    return out
+
+
+def probe_lines(runs: dict[str, dict[str, Any]]) -> list[str]:
+    out = []
+    for model, by_workload in runs.items():
+        for workload, entry in by_workload.items():
+            if entry["probe"]:
+                speeds = ", ".join(f"{r['server']} {r['tok_s']:.0f}" for r in entry["probe"])
+                out.append(
+                    f"- {model} {workload}: {speeds} tok/s at {PROBE_CLIENTS} clients, "
+                    f"{entry['probe'][0]['seconds']:g} s once before the repeats: the peer is "
+                    f"{entry['peer']} (call {entry['call']})"
+                )
+            else:
+                why = "greedy" if is_greedy(workload) else "no probe in its call"
+                out.append(f"- {model} {workload}: the peer is {entry['peer']} ({why})")
+    return out
+
+
+def level_median(entry: dict[str, Any] | None, server: str, clients: int, key: str) -> float:
+    """The median over the repeats of one server's level; 0 where it was not measured."""
+    if entry is None:
+        return 0.0
+    rows = [r for r in entry["rows"] if r["server"] == server and r["clients"] == clients]
+    return median(rows, key) if rows else 0.0
+
+
+class Goals:
+    """Goal lines, each met or missed with its ratio, and their tally."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[bool] = []
+
+    def judge(self, ratio: float, bound: float, at_least: bool) -> str:
+        ok = ratio >= bound if at_least else ratio <= bound
+        self.outcomes.append(ok)
+        sign = ">=" if at_least else "<="
+        return f"{ratio:.2f}x (goal {sign} {bound}x: {'met' if ok else 'missed'})"
+
+    def tally(self) -> str:
+        return f"{sum(self.outcomes)} of {len(self.outcomes)} goals met"
+
+
+def rate_line(goals: Goals, runs: dict[str, Any], workload: str, clients: int) -> str:
+    """A sampling workload's tok/s against Ember's own greedy and against the peer's."""
+    entry, peer = runs[workload], runs[workload]["peer"]
+    greedy = runs.get(workload.partition("/")[0] + "/greedy")
+    ours = level_median(entry, EMBER, clients, "tok_s")
+    own = level_median(greedy, EMBER, clients, "tok_s")
+    theirs = level_median(entry, peer, clients, "tok_s")
+    if not ours:
+        return f"{workload}, {clients} clients: Ember's tok/s not measured"
+    vs_own = (
+        f"vs Ember's greedy {own:.0f}: {goals.judge(ours / own, 0.9, True)}"
+        if own
+        else "Ember's greedy not measured"
+    )
+    vs_peer = (
+        f"vs {peer} {theirs:.0f}: {goals.judge(ours / theirs, 1.5, True)}"
+        if theirs
+        else f"{peer} not measured"
+    )
+    return f"{workload}, {clients} clients: tok/s {ours:.0f}; {vs_own}; {vs_peer}"
+
+
+def ttft_line(goals: Goals, entry: dict[str, Any], workload: str, clients: int) -> str:
+    ours = level_median(entry, EMBER, clients, "ttft_p99")
+    theirs = level_median(entry, entry["peer"], clients, "ttft_p99")
+    if not ours or not theirs:
+        return f"{workload}, {clients} clients: TTFT p99 not measured for both servers"
+    return (
+        f"{workload}, {clients} clients: TTFT p99 {ours * 1e3:.0f} vs {theirs * 1e3:.0f} ms "
+        f"({entry['peer']}) = {goals.judge(ours / theirs, 1.0, False)}"
+    )
+
+
+def greedy_info(entry: dict[str, Any], workload: str, clients: int) -> str:
+    ours = level_median(entry, EMBER, clients, "tok_s")
+    theirs = level_median(entry, entry["peer"], clients, "tok_s")
+    if not ours or not theirs:
+        return f"{workload}, {clients} clients: not measured for both servers"
+    return (
+        f"{workload}, {clients} clients (information): tok/s {ours:.0f} vs {theirs:.0f} = "
+        f"{ours / theirs:.2f}x llama-server's; TTFT p99 "
+        f"{level_median(entry, EMBER, clients, 'ttft_p99') * 1e3:.0f} vs "
+        f"{level_median(entry, entry['peer'], clients, 'ttft_p99') * 1e3:.0f} ms"
+    )
+
+
+def verdict(runs: dict[str, Any], model: str) -> list[str]:
+    """Issue 33's goals at every level, from the medians over the repeats: a sampling
+    workload's tok/s >= 0.9x Ember's own greedy and >= 1.5x the peer's in that workload, TTFT
+    p99 <= the peer's in every workload; Ember's greedy vs llama-server's for information."""
+    goals, lines = Goals(), []
+    for clients in LEVELS:
+        for workload, entry in runs.items():
+            if is_greedy(workload):
+                lines.append(greedy_info(entry, workload, clients))
+            else:
+                lines.append(rate_line(goals, runs, workload, clients))
+            lines.append(ttft_line(goals, entry, workload, clients))
+    return [f"- {model}, {line}" for line in lines] + ["", f"{model}: {goals.tally()}."]
+
+
+def ordered(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each model's workloads in `WORKLOADS`' order, others after: merged calls keep theirs."""
+
+    def rank(workload: str) -> int:
+        return WORKLOADS.index(workload) if workload in WORKLOADS else len(WORKLOADS)
+
+    return {m: dict(sorted(w.items(), key=lambda kv: rank(kv[0]))) for m, w in runs.items()}
+
+
+def call_lines(calls: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for c in calls:
+        name = f" {c['name']}," if c.get("name") else ""
+        out.append(
+            f"- call {c['call']} ({c['started']},{name} {c['gpu']}, llama-cpp-python "
+            f"{c['llama_cpp_python']}): workloads {', '.join(c['workloads']) or 'none'} on "
+            f"{', '.join(c['models'])}; `gpu_bench.py {' '.join(c['argv'])}`; skipped: "
+            f"{'; '.join(c['skipped']) or 'nothing'}"
+        )
+    return out
+
+
+def thermal_lines(th: dict[str, Any]) -> list[str]:
+    return [
+        "",
+        f"## Thermal governor on real NVML readings (call {th.get('call', '?')})",
+        "",
+        f"Idle {th['idle_celsius']:.0f} °C, throttle line {th['policy']['throttleCelsius']:.0f}"
+        f" °C, 1 °C per batch step; peak {th['peak_celsius']} °C, smallest batch "
+        f"{th['min_batch']}. Crossed the line at t={th['crossed_at']} s (NVML, 10 Hz), batch "
+        f"lowered at t={th['batch_lowered_at']} s (`/metrics`, ~3 Hz): "
+        f"{th['reaction_s']} s after the first reading at the line, which the policy maps "
+        f"to the full batch (floor(0/step) = 0); the first reading one step above it (the "
+        f"first that asks for a smaller batch) came at t={th.get('step_reading_at')} s: "
+        f"reaction {th.get('reaction_from_step_s')} s (goal <= 1 s: "
+        f"{'met' if (th.get('reaction_from_step_s') or 99) <= 1 else 'missed'}).",
+    ]
 
 
 def markdown(report: dict[str, Any]) -> str:
+    runs = ordered(report["runs"])
+    seconds = sorted({float(r["seconds"]) for e in _entries(runs) for r in e["rows"]})
     out = [
-        f"# GPU benchmark: Ember vs llama-server on {report['gpu']}",
+        f"# GPU benchmark: Ember vs llama-server on {report['gpu']} (issue 33)",
         "",
         f"llama.cpp from llama-cpp-python {report['llama_cpp_python']}'s sources, CUDA sm_90, "
         "one build for both servers. Random-weight GGUFs in real shapes (`bench/gpu_models.py`); "
-        f"`distinct` workload: ~62-token prompts, {MAX_TOKENS} tokens out, greedy; "
-        f"{CTX_PER_SEQ} tokens of context per slot; slots = {max(LEVELS)}. The load "
-        f"generator's clients are dealt over {CLIENT_PROCS} processes, the same for both servers; "
-        "each client opens its connection with a throw-away `GET /v1/models` before the clock "
-        "starts (a fresh process's first request cost 110-170 ms of its own).",
+        f"~62-token distinct prompts, {MAX_TOKENS} tokens out, the same request body to both "
+        f"servers; {CTX_PER_SEQ} tokens of context per slot; slots = {max(LEVELS)}. Each level "
+        f"runs {'/'.join(f'{s:g}' for s in seconds) or '?'} s: every client sends "
+        "requests back to back until then, the requests in flight finish and count, and tok/s "
+        "is the tokens (from each stream's usage) over the wall from the common start to the "
+        "last request's end. The servers take turns level by level, the order rotating; every "
+        "figure is the median (min–max) over the repeats, errors summed, NVML the mean of the "
+        f"repeats' means (°C: the highest). The load generator's clients are dealt over "
+        f"{CLIENT_PROCS} processes, the same for both servers; each client opens its "
+        "connection with a throw-away `GET /v1/models` before the clock starts.",
         "",
-        "| model | server | clients | requests | tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
-        "| ITL p50 (ms) | ITL p99 (ms) | errors | GPU °C max | W mean | SM MHz mean | util % |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table(runs),
+        "",
+        "What each server sampled with (tokens counted from each stream's usage):",
+        "",
+        *sampled_with(runs),
+        "",
+        "The peer at its best (llama-server as configured below, or with `--backend-sampling`, "
+        "whichever was faster in a probe):",
+        "",
+        *probe_lines(runs),
+        "",
+        f"llama-server flags: `{' '.join(report['llama_server_flags'])}`.",
+        "",
+        "## Goals (issue 33): medians over the repeats",
+        "",
+        *verdict(runs.get("llama-8b", {}), "llama-8b"),
     ]
-    for model, servers in report["runs"].items():
-        for server, rows in servers.items():
-            run = report.get("row_runs", {}).get(f"{model}/{server}", "")
-            for r in rows:
-                n = r["nvml"]
-                out.append(
-                    f"| {model} | {server}{f' ({run})' if run else ''} | {r['clients']} "
-                    f"| {r['requests']} | {r['tok_s']:.1f} "
-                    f"| {r['ttft_p50'] * 1e3:.1f} | {r['ttft_p99'] * 1e3:.1f} "
-                    f"| {r['itl_p50'] * 1e3:.2f} | {r['itl_p99'] * 1e3:.2f} | {r['errors']} "
-                    f"| {n['celsius_max']:.0f} | {n['watts_mean']:.0f} | {n['sm_mhz_mean']:.0f} "
-                    f"| {n['util_mean']:.0f} |"
-                )
-    out += ["", f"llama-server flags: `{' '.join(report['llama_server_flags'])}`."]
-    prev = report.get("previous")
-    if prev:
-        out += [
-            "",
-            f"Rows marked ({prev['name'] or 'previous run'}) are from an earlier run on the same "
-            f"build and machine kind (its llama-server flags: `{prev['llama_server_flags']}`); "
-            "the others from this one.",
-        ]
-    out += ["", "## Goals (issue 17)", ""]
-    out += verdict(report["runs"], "llama-8b")
-    out += ["", "270M (not a goal; what limits it is per-token overhead):", ""]
-    out += verdict(report["runs"], "gemma3-270m")
-    th = report.get("thermal")
-    if th:
-        out += [
-            "",
-            "## Thermal governor on real NVML readings",
-            "",
-            f"Idle {th['idle_celsius']:.0f} °C, throttle line {th['policy']['throttleCelsius']:.0f}"
-            f" °C, 1 °C per batch step; peak {th['peak_celsius']} °C, smallest batch "
-            f"{th['min_batch']}. Crossed the line at t={th['crossed_at']} s (NVML, 10 Hz), batch "
-            f"lowered at t={th['batch_lowered_at']} s (`/metrics`, ~3 Hz): "
-            f"{th['reaction_s']} s after the first reading at the line, which the policy maps "
-            f"to the full batch (floor(0/step) = 0); the first reading one step above it (the "
-            f"first that asks for a smaller batch) came at t={th.get('step_reading_at')} s: "
-            f"reaction {th.get('reaction_from_step_s')} s (goal <= 1 s: "
-            f"{'met' if (th.get('reaction_from_step_s') or 99) <= 1 else 'missed'}).",
-        ]
-    out += ["", "## Steps skipped for time", ""]
-    out += [f"- {s}" for s in report["skipped"]] or ["- none"]
+    for model in (m for m in runs if m != "llama-8b"):
+        out += ["", f"{model} (not a goal):", "", *verdict(runs[model], model)]
+    if report.get("thermal"):
+        out += thermal_lines(report["thermal"])
+    out += ["", "## Calls (the `call` column of the table)", "", *call_lines(report["calls"])]
     if report.get("diagnose"):
-        out += ["", "## `python -m ember_runtime.prewarm diagnose`", "", "```"]
+        call = report["diagnose"].get("call", "?")
+        out += ["", f"## `python -m ember_runtime.prewarm diagnose` (call {call})", "", "```"]
         out += [report["diagnose"]["table"].rstrip(), "```"]
     return "\n".join(out) + "\n"
+
+
+def _entries(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [entry for by_workload in runs.values() for entry in by_workload.values()]
 
 
 def plot(report: dict[str, Any], out: Path) -> None:
@@ -442,152 +920,179 @@ def plot(report: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = report["runs"]
+    runs = ordered(report["runs"])
     if runs:
-        fig, axes = plt.subplots(len(runs), 3, figsize=(15, 4 * len(runs)), squeeze=False)
-        for row, (model, servers) in enumerate(runs.items()):
-            for server, rows in servers.items():
-                x = [r["clients"] for r in rows]
-                axes[row][0].plot(x, [r["tok_s"] for r in rows], marker="o", label=server)
-                axes[row][1].plot(x, [r["ttft_p99"] * 1e3 for r in rows], marker="o", label=server)
-                axes[row][2].plot(x, [r["itl_p99"] * 1e3 for r in rows], marker="o", label=server)
-            for ax, title in zip(
-                axes[row], ("tok/s", "TTFT p99 (ms)", "ITL p99 (ms)"), strict=True
-            ):
-                ax.set_title(f"{model}: {title}")
-                ax.set_xscale("log", base=2)
-                ax.set_xlabel("concurrent clients")
-                ax.legend()
+        cols = max(len(w) for w in runs.values())
+        fig, axes = plt.subplots(
+            len(runs), cols, figsize=(5 * cols, 4 * len(runs)), squeeze=False, sharey="row"
+        )
+        for row, (model, by_workload) in enumerate(runs.items()):
+            for col, (workload, entry) in enumerate(by_workload.items()):
+                plot_workload(axes[row][col], f"{model} {workload}", entry)
+        fig.suptitle("output tok/s: median over the repeats, bars min–max")
         fig.tight_layout()
         fig.savefig(out / "gpu_bench.png", dpi=90)
-    th = report.get("thermal")
-    if th:
-        fig, ax = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
-        ax[0].plot([s["t"] for s in th["nvml"]], [s["celsius"] for s in th["nvml"]], label="NVML")
-        ax[0].axhline(th["policy"]["throttleCelsius"], color="r", ls="--", label="throttle")
-        ax[0].set_ylabel("GPU °C")
-        ax[0].legend()
-        pts = [p for p in th["runtime"] if p["batch"] is not None]
-        ax[1].step([p["t"] for p in pts], [p["batch"] for p in pts], where="post")
-        ax[1].set_ylabel("batch limit")
-        ax[2].plot([g[0] for g in th["itl"]], [g[1] * 1e3 for g in th["itl"]], ",", alpha=0.4)
-        ax[2].set_ylabel("ITL (ms)")
-        ax[2].set_xlabel("seconds")
-        for a in ax:
-            if th["crossed_at"] is not None:
-                a.axvline(th["crossed_at"], color="grey", ls=":")
-        fig.suptitle("Thermal governor on real NVML readings (H200, 8B-shaped model, 64 clients)")
-        fig.tight_layout()
-        fig.savefig(out / "gpu_thermal.png", dpi=90)
+    if report.get("thermal"):
+        plot_thermal(report["thermal"], out)
+
+
+def plot_workload(ax: Any, title: str, entry: dict[str, Any]) -> None:
+    by_server: dict[str, list[tuple[int, list[float]]]] = {}
+    for (server, clients), rows in groups(entry["rows"]).items():
+        by_server.setdefault(server, []).append((clients, [r["tok_s"] for r in rows]))
+    for server, points in by_server.items():
+        x = [c for c, _ in points]
+        mid = [statistics.median(v) for _, v in points]
+        low = [m - min(v) for m, (_, v) in zip(mid, points, strict=True)]
+        high = [max(v) - m for m, (_, v) in zip(mid, points, strict=True)]
+        ax.errorbar(x, mid, yerr=[low, high], marker="o", capsize=4, label=server)
+    ax.set_title(f"{title} (call {entry['call']})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(LEVELS), [str(c) for c in LEVELS])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("tok/s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def plot_thermal(th: dict[str, Any], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    ax[0].plot([s["t"] for s in th["nvml"]], [s["celsius"] for s in th["nvml"]], label="NVML")
+    ax[0].axhline(th["policy"]["throttleCelsius"], color="r", ls="--", label="throttle")
+    ax[0].set_ylabel("GPU °C")
+    ax[0].legend()
+    pts = [p for p in th["runtime"] if p["batch"] is not None]
+    ax[1].step([p["t"] for p in pts], [p["batch"] for p in pts], where="post")
+    ax[1].set_ylabel("batch limit")
+    ax[2].plot([g[0] for g in th["itl"]], [g[1] * 1e3 for g in th["itl"]], ",", alpha=0.4)
+    ax[2].set_ylabel("ITL (ms)")
+    ax[2].set_xlabel("seconds")
+    for a in ax:
+        if th["crossed_at"] is not None:
+            a.axvline(th["crossed_at"], color="grey", ls=":")
+    fig.suptitle("Thermal governor on real NVML readings (H200, 8B-shaped model, 64 clients)")
+    fig.tight_layout()
+    fig.savefig(out / "gpu_thermal.png", dpi=90)
 
 
 # --- main -------------------------------------------------------------------------------------
 
 
-def keep_previous(
-    report: dict[str, Any], old: dict[str, Any], servers: list[str], args: argparse.Namespace
-) -> None:
-    """Carry the rows of the servers this run skips (and, without Ember, the thermal run and
-    the diagnosis) from an earlier run, labelled so the table says which run each row is from."""
-    report["row_runs"] = {}
-    for model, rows_by_server in old.get("runs", {}).items():
-        for server, rows in rows_by_server.items():
-            if server not in servers:
-                report["runs"].setdefault(model, {})[server] = rows
-                report["row_runs"][f"{model}/{server}"] = args.previous_name or "previous run"
-                seconds = old.get("load_seconds", {}).get(f"{model}/{server}")
-                if seconds is not None:
-                    report["load_seconds"][f"{model}/{server}"] = seconds
-    for model in args.only.split(","):
-        for server in servers:
-            report["row_runs"][f"{model}/{server}"] = args.run_name or "this run"
-    if "ember" not in servers:
-        for key in ("thermal", "diagnose"):
-            if key in old:
-                report[key] = old[key]
-    report["previous"] = {
-        "name": args.previous_name,
-        "llama_server_flags": old.get(
-            "llama_server_flags", "-ngl 999 -t 8 -tb 8 -np 64 -c 32768 -kvu"
-        ),
-        "idle": old.get("idle"),
+def keep_previous(report: dict[str, Any], old: dict[str, Any]) -> int:
+    """Carry an earlier call's results into this call's report: its calls, every (model,
+    workload) entry (each says which call measured it; this call's own replace them as they
+    are measured), its thermal run and diagnosis (replaced if this call runs them). Returns
+    this call's number."""
+    if "calls" not in old:
+        raise SystemExit("--previous: not a results file of this gpu_bench.py (no 'calls')")
+    report["calls"] = [*old["calls"], *report["calls"]]
+    for model, by_workload in old.get("runs", {}).items():
+        report["runs"].setdefault(model, {}).update(by_workload)
+    for key in ("thermal", "diagnose", "metrics_sample"):
+        if key in old:
+            report[key] = old[key]
+    return len(old["calls"]) + 1
+
+
+def new_report(args: argparse.Namespace, nvml: NvmlLog, workloads: list[str]) -> dict[str, Any]:
+    import llama_cpp
+
+    record = {
+        "call": 1,
+        "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "name": args.run_name,
+        "argv": sys.argv[1:],
+        "workloads": workloads,
+        "models": args.only.split(","),
+        "gpu": nvml.name,
+        "llama_cpp_python": llama_cpp.__version__,
+        "idle": asdict(nvml.read()),
+        "skipped": [],
+        "load_seconds": {},
+    }
+    return {
+        "gpu": nvml.name,
+        "llama_cpp_python": llama_cpp.__version__,
+        "llama_server_flags": llama_server_flags(max(LEVELS)),
+        "calls": [record],
+        "runs": {},
     }
 
 
-def main() -> None:
+def thermal_step(call: Call, model: Path) -> None:
+    if call.args.skip_thermal:
+        return
+    if not call.fits(THERMAL_SECONDS + 40):
+        call.skip("thermal run")
+        return
+    print("thermal governor run", flush=True)
+    thermal = thermal_run(model, max(LEVELS), call.args.out / "work", call.nvml, call.args.margin)
+    call.report["thermal"] = thermal | {"call": call.index}
+    call.save()
+
+
+def run_call(call: Call, workloads: list[str]) -> None:
+    args = call.args
+    models = {name: write_model(name, args.models) for name in args.only.split(",")}
+    if not args.skip_diagnose:
+        last = list(models.values())[-1]  # the smallest, with every model
+        call.report["diagnose"] = diagnose(last, args.out / "work") | {"call": call.index}
+        call.save()
+    for index, (name, model) in enumerate(models.items()):
+        print(f"{name}: ~{plan_seconds(args, workloads):.0f} s of levels", flush=True)
+        bench_model(call, name, model, workloads)
+        if index == 0:
+            thermal_step(call, model)
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", type=Path, required=True)
     ap.add_argument("--models", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds from start")
-    ap.add_argument("--only", default="llama-8b,gemma3-270m")
-    ap.add_argument("--thermal-margin", type=float, default=4.0)
-    ap.add_argument("--servers", default="ember,llama-server")
-    ap.add_argument("--previous", type=Path, help="keep the rows of servers not rerun from here")
-    ap.add_argument("--run-name", default="", help="label of this run's rows (with --previous)")
-    ap.add_argument("--previous-name", default="", help="label of the kept rows")
-    args = ap.parse_args()
+    ap.add_argument("--only", default="llama-8b", help="models (gpu_models.py names)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list; '' for none")
+    ap.add_argument("--reps", type=int, default=3, help="repeats of every level")
+    ap.add_argument("--level-seconds", type=float, default=20.0, help="duration of a level")
+    ap.add_argument(
+        "--probe-backend-sampling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="probe llama-server --backend-sampling as the peer of non-greedy workloads",
+    )
+    ap.add_argument("--skip-thermal", action="store_true", help="no thermal governor run")
+    ap.add_argument("--skip-diagnose", action="store_true", help="no prewarm diagnose")
+    ap.add_argument("--thermal-margin", dest="margin", type=float, default=4.0)
+    ap.add_argument("--previous", type=Path, help="keep the workloads not run here from here")
+    ap.add_argument("--run-name", default="", help="a label for this call in the results")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    workloads = [w if "/" in w else f"{w}/greedy" for w in args.workloads.split(",") if w]
+    for workload in workloads:
+        shape, _, mode = workload.partition("/")
+        if shape not in SHAPES or mode not in SAMPLING:
+            raise SystemExit(f"--workloads: {workload!r} is not shape/sampling of runtime_bench")
     stop_at = time.monotonic() + args.deadline
-    work = args.out / "work"
-    work.mkdir(parents=True, exist_ok=True)
+    (args.out / "work").mkdir(parents=True, exist_ok=True)
     args.models.mkdir(parents=True, exist_ok=True)
     nvml = NvmlLog().start()
-    import llama_cpp
-
-    report: dict[str, Any] = {
-        "gpu": nvml.name,
-        "llama_cpp_python": llama_cpp.__version__,
-        "idle": asdict(nvml.read()),
-        "runs": {},
-        "load_seconds": {},
-        "skipped": [],
-        "llama_server_flags": llama_server_flags(max(LEVELS)),
-    }
-    servers = args.servers.split(",")
+    report = new_report(args, nvml, workloads)
+    index = 1
     if args.previous is not None:
-        keep_previous(report, json.loads(args.previous.read_text()), servers, args)
-
-    def left() -> float:
-        return float(stop_at - time.monotonic())
-
-    def save() -> None:
-        report["nvml_trace"] = [asdict(s) for s in nvml.samples[::5]]
-        (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=1))
-        (args.out / "gpu_bench.md").write_text(markdown(report))
-
-    slots = max(LEVELS)
-    models = {}
+        index = keep_previous(report, json.loads(args.previous.read_text()))
+    call = Call(args, report, nvml, stop_at, index=index, record=report["calls"][-1])
+    call.record["call"] = index
     try:
-        for name in args.only.split(","):
-            models[name] = write_model(name, args.models)
-        if "ember" in servers:
-            report["diagnose"] = diagnose(models[args.only.split(",")[-1]], work)
-        for index, (name, model) in enumerate(models.items()):
-            candidates = (
-                ember_server(model, slots, work, None),
-                llama_server(args.llama_server, model, slots),
-            )
-            for server in (c for c in candidates if c.name in servers):
-                need = 150 if name == "llama-8b" else 90
-                thermal_next = index == 0 and "ember" in servers
-                if left() < need + (100 if thermal_next else 0):
-                    report["skipped"].append(f"{name}: {server.name} ({left():.0f} s left)")
-                    continue
-                print(f"{name}: {server.name}", flush=True)
-                rows, load_s = bench_server(server, work, nvml)
-                report["runs"].setdefault(name, {})[server.name] = rows
-                report["load_seconds"][f"{name}/{server.name}"] = round(load_s, 1)
-                save()
-            if index == 0 and "ember" in servers:
-                if left() > THERMAL_SECONDS + 40:
-                    print("thermal governor run", flush=True)
-                    report["thermal"] = thermal_run(model, slots, work, nvml, args.thermal_margin)
-                    save()
-                else:
-                    report["skipped"].append(f"thermal run ({left():.0f} s left)")
+        run_call(call, workloads)
     finally:
         nvml.stop()
-        save()
+        call.save()
         plot(report, args.out)
     print(markdown(report), flush=True)
 

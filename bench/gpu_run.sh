@@ -12,7 +12,11 @@
 # packages its image lacks: pydantic, FastAPI, uvicorn, sse-starlette, gguf, ...) and `wt/`
 # (this repo's runtime/ and bench/). Optional `art/` holds a previous call's build
 # (art.tar.xz.part-*), which skips the ~5 min CUDA build. Results go to $OUT/gpu_bench.* and
-# $OUT/gpu_thermal.png; a new build's binaries to $OUT/art.tar.xz.part-* when they fit.
+# $OUT/gpu_thermal.png; a new build's binaries to $OUT/art.tar.xz.part-* when they fit. A build
+# left in /tmp by an earlier call on the same (still warm) machine is used as it is.
+# BENCH=build stops after the build. BENCH_ARGS go to gpu_bench.py, and `--previous
+# GPU_DIR/prev/gpu_bench.json` too when that file exists: an earlier call's results, whose
+# workloads this call does not run are kept (gpu_bench.py's docstring: one workload per call).
 set -euo pipefail
 total=${1:-570}
 start=$(date +%s)
@@ -30,7 +34,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target "$site" "$gpu"/whl/*.whl
 tar -C "$site" -xzf "$gpu/llama_cpp_py.tgz"
 
-if compgen -G "$gpu/art/art.tar.xz.part-*" >/dev/null; then
+if [ -x "$build/bin/llama-server" ] && [ -e "$build/bin/libllama.so" ]; then
+  echo "using the build an earlier call left on this machine"
+elif compgen -G "$gpu/art/art.tar.xz.part-*" >/dev/null; then
   mkdir -p "$build/bin"
   cat "$gpu"/art/art.tar.xz.part-* | tar -C "$build/bin" -xJf -
   echo "using the carried build"
@@ -56,6 +62,9 @@ export PYTHONPATH="$gpu/wt/runtime:$gpu/wt:$site"
 export PYTHONUNBUFFERED=1
 python3 -c "import llama_cpp as l; print('llama-cpp-python', l.__version__, 'GPU offload:', l.llama_supports_gpu_offload())"
 
+if [ "${BENCH:-}" = build ]; then  # the build only (its binaries in $OUT, above)
+  exit
+fi
 left=$(( total - ($(date +%s) - start) - 20 ))
 echo "benchmark budget: $left s"
 if [ "${BENCH:-}" = burst ]; then  # first-wave TTFT only (bench/gpu_burst.py)
@@ -63,5 +72,12 @@ if [ "${BENCH:-}" = burst ]; then  # first-wave TTFT only (bench/gpu_burst.py)
     --models "$tmp/models" --out "$out"
   exit
 fi
+previous=()
+if [ -f "$gpu/prev/gpu_bench.json" ]; then
+  previous=(--previous "$gpu/prev/gpu_bench.json")
+  echo "keeping the other workloads' rows of $gpu/prev/gpu_bench.json"
+fi
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of words
 python3 "$gpu/wt/bench/gpu_bench.py" --llama-server "$build/bin/llama-server" \
-  --models "$tmp/models" --out "$out" --deadline "$left" ${BENCH_ARGS:-}
+  --models "$tmp/models" --out "$out" --deadline "$left" ${previous[@]+"${previous[@]}"} \
+  ${BENCH_ARGS:-}
