@@ -115,10 +115,10 @@ from bench.runtime_bench import (
     RequestStats,
     Server,
     _level_result,
-    _open_connections,
     free_port,
     one_request,
     request_body,
+    run_clients,
 )
 
 LEVELS = (8, 32, 64)
@@ -308,31 +308,15 @@ async def _clients_for(
     requests in flight at the end finish and count. Returns their stats, what the failed ones
     said, and when the last one ended."""
     start_at, stop_at = window
-    stats: list[RequestStats] = []
-    failures: list[str] = []
-    last_end = start_at
-    limits = httpx.Limits(max_connections=len(indices) + 2)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
-        await _open_connections(client, len(indices))
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-
-        async def worker(index: int) -> None:
-            nonlocal last_end
-            turn = 0
-            while time.time() < stop_at:
-                path, body = request_body(workload, index + turn * clients, MAX_TOKENS, serial)
-                try:
-                    stat = await one_request(client, path, body)
-                    stat.turn = turn
-                    stats.append(stat)
-                except httpx.HTTPError as exc:
-                    failures.append(f"{type(exc).__name__}: {exc}"[:200])
-                    await asyncio.sleep(0.1)  # a server that refuses is not hammered
-                last_end = max(last_end, time.time())
-                turn += 1
-
-        await asyncio.gather(*(worker(i) for i in indices))
-    return stats, failures, last_end
+    return await run_clients(
+        base,
+        workload,
+        clients,
+        indices,
+        more=lambda _turn: time.time() < stop_at,
+        serial=serial,
+        start_at=start_at,
+    )
 
 
 def _clients_process(

@@ -7,8 +7,10 @@ draw. Every stage is exact; none sorts the whole vocabulary when it need not:
 * **top_k** finds the k best by a threshold (estimated on a strided sample, one compare pass
   over the row, widened until it holds k) and sorts only those.
 * **top_p** over the whole vocabulary needs the normaliser Z (one vectorised exp pass), then
-  the nucleus is found in a growing top set (64, 512, … tokens, each a compare pass) whose mass
-  reaches p·Z — a real model's peaked row stops at the first; only a flat row sorts a lot.
+  the nucleus is found in a growing top set (64, 512, 4,096 tokens, each a compare pass) whose
+  mass reaches p·Z and only that set is sorted — Gemma 3's rows stop in the first or second.
+  A flat row's nucleus (most of the vocabulary) becomes a floor on the logits, found by a
+  galloping search of exact masked sums over a strided sample: never materialised or sorted.
 * **min_p** is a threshold on logits (p ≥ min_p·p_max ⇔ l ≥ l_max + ln min_p), so it commutes
   with top_p and is one compare pass on a whole row.
 * **no filter at all** (OpenAI's defaults: temperature 1, top_p 1) draws from the full softmax
