@@ -77,6 +77,20 @@ def test_override_wins_until_it_expires() -> None:
         gov.set_override(4, seconds=0)
 
 
+def test_an_override_never_lifts_the_batch_above_the_policy() -> None:
+    """Issue 34, hole 4: an override sheds load; it cannot switch thermal protection off.
+    Before, a pinned 16 held at a critical 91 °C (the policy says 10) for as long as asked."""
+    gov, pushed = governor()
+    gov.set_override(16, seconds=86_400)
+    state = gov.apply(91.0)
+    assert (state.batch, state.reason) == (10, "Critical")
+    assert state.override is not None  # still in force: it may lower the limit again
+    assert gov.set_override(4, seconds=60).batch == 4
+    gov.set_override(16, seconds=60)
+    assert gov.apply(60.0).batch == 16  # cool again: the policy allows the full batch
+    assert pushed == [16, 10, 4, 10, 16]
+
+
 def test_reloaded_policy_applies_at_once_to_the_last_reading() -> None:
     gov, pushed = governor()
     gov.apply(80.0)

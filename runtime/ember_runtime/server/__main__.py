@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=int(config.server.request_timeout_seconds) + 1,
         access_log=False,
         lifespan="on",
+        # Admin writes trust a loopback peer only (server/admin.py): X-Forwarded-For is believed
+        # from loopback alone (a proxy in the pod), never from the LAN, whatever
+        # FORWARDED_ALLOW_IPS says, so no LAN client can claim to be 127.0.0.1.
+        proxy_headers=True,
+        forwarded_allow_ips="127.0.0.1,::1",
     )
     server = _DrainingServer(uv_config, app.state.ember)
     # Imports, the app and its schemas live as long as the process: out of the collector's

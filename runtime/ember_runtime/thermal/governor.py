@@ -3,8 +3,9 @@
 No network between the sensor and the engine: the sampler calls `Governor.apply` with the
 smoothed hottest reading (EWMA: rising readings count at once, falling ones are smoothed), the
 policy from the ConfigMap turns it into a limit, and the engine gets it before the next decode
-step. `PUT /admin/batch` sets a manual override that wins until it expires; the policy takes over
-again at the first sample after that.
+step. `PUT /admin/batch` sets a manual override that can lower the limit (never raise it above
+the policy's value at the current temperature) until it expires; the policy alone decides again
+at the first sample after that.
 """
 
 from __future__ import annotations
@@ -121,7 +122,11 @@ class Governor:
                 log.info("manual batch override %d expired", override.batch)
                 self._override = override = None
             self._policy_batch = self._policy.next_batch(temp, self._policy_batch)
-            wanted = override.batch if override is not None else self._policy_batch
+            # An override sheds load; it never lifts the batch above what the policy allows at
+            # this temperature (threat model: the thermal floor is not a client's to remove).
+            wanted = self._policy_batch
+            if override is not None:
+                wanted = min(override.batch, wanted)
             changed, before = wanted != self._batch, self._batch
             self._batch = wanted
             state = self._state_locked()
