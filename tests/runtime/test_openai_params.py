@@ -13,6 +13,7 @@ import math
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI
@@ -245,6 +246,17 @@ async def test_llama_server_sampling_fields_are_honoured(server: LiveServer) -> 
         # ignore_eos: the reply runs to max_tokens whatever the model would end with
         assert reply.choices[0].finish_reason == "length"
         assert reply.usage is not None and reply.usage.completion_tokens == 6
+
+
+async def test_logit_bias_refuses_infinity(server: LiveServer) -> None:
+    """Python's JSON (and so the server's) reads Infinity; the openai client will not send it."""
+    body = b'{"prompt": "Hi", "max_tokens": 1, "logit_bias": {"5": Infinity}}'
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        reply = await client.post(
+            "/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "logit_bias"
 
 
 async def test_logit_bias_moves_the_greedy_choice(server: LiveServer) -> None:

@@ -249,6 +249,8 @@ def _logit_bias(
     pairs: list[tuple[int, float]] = []
     for key, value in bias.items() if isinstance(bias, dict) else map(_bias_pair, bias):
         add = -math.inf if value is False else float(value)
+        if value is not False and not math.isfinite(add):  # JSON's Infinity/NaN parse here
+            raise APIError(400, "logit_bias values must be finite numbers", param="logit_bias")
         if isinstance(key, str) and not key.lstrip("-").isdigit():
             if isinstance(bias, dict):
                 raise APIError(400, "logit_bias keys are token ids", param="logit_bias")
