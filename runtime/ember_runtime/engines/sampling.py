@@ -79,7 +79,7 @@ class RowSampler:
     what shares the batch) and its penalty window (prompt tokens included, as llama-server's
     `common_sampler_accept` counts them, whether or not they came from the prefix cache)."""
 
-    __slots__ = ("_bias", "_counts", "_eog", "_grammar", "_rng", "_window", "params")
+    __slots__ = ("_bias", "_counts", "_grammar", "_rng", "_window", "params")
 
     def __init__(
         self,
@@ -99,7 +99,6 @@ class RowSampler:
         self._bias = (
             (np.fromiter(bias, np.int64), np.fromiter(bias.values(), np.float32)) if bias else None
         )
-        self._eog = tuple(eog_tokens)
         size = params.penalty_window
         self._window: collections.deque[int] | None = None
         self._counts: collections.Counter[int] = collections.Counter()
@@ -271,10 +270,9 @@ def _typical(c: Candidates, p: float, keep: int) -> Candidates:
 
 def _top_p(c: CandidateSet, row: np.ndarray, p: float, keep: int) -> CandidateSet:
     """The smallest best-first prefix whose probability reaches p (inclusive, as llama.cpp)."""
-    if isinstance(c, Candidates):
-        cum = np.cumsum(_softmax(c.logits))
-        n = max(keep, int(np.searchsorted(cum, p, side="left")) + 1)
-        return _cut(c, min(n, len(c.ids)))
+    if isinstance(c, Candidates):  # the set's own normaliser: it is all there is
+        top = float(c.logits[0])
+        return _nucleus(c, top, float(np.exp(c.logits - top).sum()), p, keep)
     assert c is None  # only top_k and typical_p come before, and both give explicit sets
     peak = float(row.max())
     w = np.exp(row - np.float32(peak))
@@ -289,7 +287,8 @@ def _top_p(c: CandidateSet, row: np.ndarray, p: float, keep: int) -> CandidateSe
 
 
 def _nucleus(c: Candidates, peak: float, z: float, p: float, keep: int) -> Candidates:
-    """The top_p cut of a sorted top set that holds the nucleus, against the whole row's z."""
+    """The top_p cut of a sorted set that holds the nucleus, against the normaliser z of what
+    the set was drawn from (the whole row, or the set itself)."""
     cum = np.cumsum(np.exp(c.logits - peak)) / z
     n = max(keep, int(np.searchsorted(cum, p, side="left")) + 1)
     return _cut(c, min(n, len(c.ids)))
@@ -340,7 +339,7 @@ def _min_p(c: CandidateSet, row: np.ndarray, p: float, keep: int) -> CandidateSe
         floor = float(row.max()) + math.log(p)
         if c is not None:  # a large nucleus: the tighter of the two floors
             return max(floor, c)
-        c = _sorted(np.flatnonzero(row >= np.float32(floor)), row)
+        c = _explicit(floor, row)
         return c if len(c.ids) >= keep else _top_k(row, keep)
     thr = c.logits[0] + math.log(p)
     n = max(keep, int(np.searchsorted(-c.logits, -thr, side="right")))
