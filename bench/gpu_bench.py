@@ -42,7 +42,7 @@ the repeats, what each server sampled with, and the goals as met/missed with the
 
     python bench/gpu_bench.py --llama-server BIN --models DIR --out DIR [--deadline S]
         [--workloads W,...] [--reps 3] [--level-seconds 20] [--no-probe-backend-sampling]
-        [--skip-thermal] [--skip-diagnose] [--only llama-8b] [--previous OLD.json]
+        [--skip-thermal] [--skip-diagnose] [--only llama-8b] [--previous OLD.json] [--resume]
 
 One call per workload: a GPU call runs 10 minutes at most, and one workload takes 8-9 of them.
 Estimated, per call: ~25 s in gpu_run.sh (wheels, the carried build unpacked), ~30 s to write
@@ -55,7 +55,9 @@ does not cost the last repeat. `--previous OLD.json` keeps OLD.json's rows of th
 workload) pairs this call does not measure (and its thermal run and diagnosis where this call
 has none): the JSON lists every call (`calls`: when, with what arguments, what was skipped)
 and each workload's rows say which call measured them, as does the markdown, so the last
-call's gpu_bench.{json,md,png} hold all three workloads.
+call's gpu_bench.{json,md,png} hold all three workloads. With `--resume`, a workload of OLD.json
+with fewer than `--reps` complete repeats is continued instead (its peer kept, no new probe):
+a call that ran out of time before its last repeat is finished by the next.
 
 Through `bench/gpu_run.sh` and the device tool (each call runs on a fresh copy of the repo,
 with `carry: [".gpu"]` and `timeout_s: 600`; only `$OUT`'s files come back; FILES_AT below is
@@ -122,6 +124,9 @@ from bench.runtime_bench import (
 )
 
 LEVELS = (8, 32, 64)
+# Ember's engine.deviceSampling is `auto`: every layer offloaded, so each request's chain runs
+# in llama_decode on the GPU (engines/device_sampling.py).
+EMBER_WHERE = ", its sampler chain on the GPU (engine.deviceSampling auto)"
 MAX_TOKENS = 64
 THREADS = 8  # CPU threads for either server; with every layer on the GPU they only feed it
 THERMAL_SECONDS = 75.0
@@ -549,7 +554,12 @@ class Call:
             f"{r.errors}",
             flush=True,
         )
-        extra = {"rep": rep, "serial": serial, "seconds": self.args.level_seconds}
+        extra = {
+            "rep": rep,
+            "serial": serial,
+            "seconds": self.args.level_seconds,
+            "call": self.index,
+        }
         return {**asdict(r), **extra, "nvml": window}
 
     def save(self) -> None:
@@ -575,16 +585,41 @@ def probe_peer(call: Call, fleet: Fleet, workload: str, entry: dict[str, Any]) -
     return best
 
 
+def complete_reps(entry: dict[str, Any]) -> int:
+    """The repeats of an entry with every level of both servers measured."""
+    per_rep: dict[int, int] = {}
+    for r in entry["rows"]:
+        per_rep[r["rep"]] = per_rep.get(r["rep"], 0) + 1
+    return sum(1 for n in per_rep.values() if n >= 2 * len(LEVELS))
+
+
+def resumed(call: Call, model: str, workload: str) -> dict[str, Any] | None:
+    """With `--resume`, a previous call's entry of this (model, workload) that has fewer than
+    `--reps` complete repeats: its complete repeats and its peer are kept, this call adds the
+    rest (so a workload's repeats can span calls of 10 minutes)."""
+    prev: dict[str, Any] | None = call.report["runs"].get(model, {}).get(workload)
+    if not call.args.resume or prev is None or complete_reps(prev) >= call.args.reps:
+        return None
+    done = complete_reps(prev)
+    prev["rows"] = [r for r in prev["rows"] if r["rep"] <= done]
+    return prev
+
+
 def run_workload(call: Call, fleet: Fleet, model: str, workload: str) -> None:
     """The peer probe (not for greedy), then the repeats; the entry replaces a previous call's
-    rows of this (model, workload) once it holds a row."""
-    entry: dict[str, Any] = {"call": call.index, "peer": PEER, "probe": [], "rows": []}
+    rows of this (model, workload) once it holds a row, or continues it (`resumed`)."""
+    entry = resumed(call, model, workload)
+    first = 1 if entry is None else complete_reps(entry) + 1
+    if entry is None:
+        entry = {"call": call.index, "peer": PEER, "probe": [], "rows": []}
 
     def publish() -> None:
         call.report["runs"].setdefault(model, {})[workload] = entry
         call.save()
 
-    if not is_greedy(workload) and call.args.probe_backend_sampling:
+    if first > 1:
+        print(f"{model} {workload}: repeats 1-{first - 1} kept, peer {entry['peer']}", flush=True)
+    elif not is_greedy(workload) and call.args.probe_backend_sampling:
         if call.fits(2 * call.level_cost() + 20):
             entry["peer"] = probe_peer(call, fleet, workload, entry)
             publish()
@@ -592,7 +627,7 @@ def run_workload(call: Call, fleet: Fleet, model: str, workload: str) -> None:
             call.skip(f"{model} {workload}: peer probe (plain llama-server kept)")
     servers = [fleet.get(EMBER), fleet.get(entry["peer"])]
     reps = int(call.args.reps)
-    for rep in range(1, reps + 1):
+    for rep in range(first, reps + 1):
         if not call.fits(len(LEVELS) * len(servers) * call.level_cost()):
             call.skip(f"{model} {workload}: repeat{f's {rep}-{reps}' if rep < reps else f' {rep}'}")
             break
@@ -685,9 +720,15 @@ def table(runs: dict[str, dict[str, Any]]) -> list[str]:
                 out.append(
                     f"| {model} | {workload} | {server} | {clients} | {len(rows)} "
                     f"| {median(rows, 'requests'):.0f} | {cells} "
-                    f"| {sum(r['errors'] for r in rows)} | {nvml_means(rows)} | {entry['call']} |"
+                    f"| {sum(r['errors'] for r in rows)} | {nvml_means(rows)} "
+                    f"| {calls_of(rows, entry)} |"
                 )
     return out
+
+
+def calls_of(rows: list[Row], entry: dict[str, Any]) -> str:
+    """The calls that measured these rows (a resumed workload's repeats span calls)."""
+    return ", ".join(str(c) for c in sorted({r.get("call", entry["call"]) for r in rows}))
 
 
 def sampled_with(runs: dict[str, dict[str, Any]]) -> list[str]:
@@ -699,7 +740,8 @@ def sampled_with(runs: dict[str, dict[str, Any]]) -> list[str]:
         body = json.dumps(SAMPLING[mode]) if SAMPLING[mode] else "no sampling field"
         where = "; its sampler chain on the GPU" if peer == PEER_BS else ""
         out.append(
-            f"- {workload} (request: {body}): Ember {SAMPLED_WITH['ember'][mode]}; {peer} "
+            f"- {workload} (request: {body}): Ember {SAMPLED_WITH['ember'][mode]}{EMBER_WHERE}; "
+            f"{peer} "
             f"{SAMPLED_WITH['llama-server'][mode]}{where}"
         )
     return out
@@ -1051,6 +1093,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--skip-diagnose", action="store_true", help="no prewarm diagnose")
     ap.add_argument("--thermal-margin", dest="margin", type=float, default=4.0)
     ap.add_argument("--previous", type=Path, help="keep the workloads not run here from here")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue --previous's workloads that have fewer than --reps repeats",
+    )
     ap.add_argument("--run-name", default="", help="a label for this call in the results")
     return ap.parse_args()
 

@@ -120,6 +120,11 @@ class EngineSettings(_Wire):
         description="llamacpp: threads that draw a step's rows in parallel (None: the cores "
         "`threads` leaves spare, up to 8, and none when fewer than 2 are; 0: none).",
     )
+    device_sampling: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="llamacpp: sample eligible requests inside llama_decode on the device "
+        "(auto: when layers are offloaded to a GPU; engines/device_sampling).",
+    )
     args: dict[str, str] = Field(default_factory=dict)
 
     def offloaded_layers(self, accelerator: str) -> int:

@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from ember_runtime.engines import sampling
+from ember_runtime.engines import device_sampling, sampling
 from ember_runtime.engines.base import (
     ChatMessage,
     Delta,
@@ -82,6 +82,7 @@ from ember_runtime.engines.base import (
     TopLogprob,
 )
 from ember_runtime.engines.chat import render_template
+from ember_runtime.engines.device_sampling import DeviceChain, DeviceSampling
 from ember_runtime.engines.scheduler import (
     Call,
     Policy,
@@ -205,6 +206,7 @@ class _Sequence:
     """The decode-thread side of one request."""
 
     __slots__ = (
+        "chain",
         "generated",
         "grammar",
         "last_token",
@@ -235,6 +237,7 @@ class _Sequence:
         self.last_token = -1
         self.sampler = sampler
         self.grammar = grammar  # freed with the sequence
+        self.chain: DeviceChain | None = None  # sampled inside llama_decode (set at admission)
 
     @property
     def prompt_len(self) -> int:
@@ -261,6 +264,7 @@ class LlamaCppEngine:
         kv_unified: bool | None = None,
         gpu_layers: int = 0,
         sampler_threads: int | None = None,
+        device_sampling: DeviceSampling = DeviceSampling.AUTO,
         observer: StepObserver | None = None,
     ) -> None:
         if not 1 <= capacity <= 256:
@@ -315,6 +319,10 @@ class LlamaCppEngine:
         self._builtin_template: str | None = None
         self._eog_all: tuple[int, ...] | None = None
         self._pool = _sampler_pool(threads, sampler_threads)
+        self._device_mode = device_sampling
+        self._on_device = False  # resolved at load: is there a device to sample on?
+        self.device_rows = 0  # tokens drawn inside llama_decode (device chains) so far
+        self._chains: dict[int, DeviceChain] = {}  # attached to each seq_id (they stay)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -400,6 +408,11 @@ class LlamaCppEngine:
                 self._path.name,
                 self._builtin_template,
             )
+        self._on_device = device_sampling.resolve(
+            self._device_mode,
+            offloaded=self._gpu_layers > 0 and bool(ll.llama_supports_gpu_offload()),
+            deterministic=self._deterministic,
+        )
         self._warm_up()
         if self._deterministic:
             rows = self._probe_rows(min(self._capacity, _PROBE_MAX_ROWS))
@@ -409,7 +422,7 @@ class LlamaCppEngine:
         log.info(
             "llama.cpp engine ready: %s, capacity %d, %d tokens/sequence, %d thread(s), %s, "
             "%d prompt tokens per step, prefix cache %s, repacked weights %s, %d GPU layers "
-            "(GPU offload %s)",
+            "(GPU offload %s), sampling %s",
             self._path.name,
             self._capacity,
             self.info.context_length,
@@ -422,6 +435,7 @@ class LlamaCppEngine:
             "allowed" if self._repack else "off",
             self._gpu_layers,
             "supported" if ll.llama_supports_gpu_offload() else "not built in",
+            "in llama_decode where eligible" if self._on_device else "on the host",
         )
 
     @property
@@ -438,6 +452,8 @@ class LlamaCppEngine:
         # Logits for one token per sequence at most: sizing the output buffer for the whole
         # batch would cost n_batch x 262k floats (hundreds of MiB) for nothing.
         cparams.n_outputs_max = self._capacity
+        # One output per sequence per decode: device samplers size their buffers for one.
+        cparams.n_outputs_max_per_seq = 1
         cparams.n_threads = self._threads
         cparams.n_threads_batch = self._threads
         cparams.kv_unified = self._unified
@@ -510,6 +526,9 @@ class LlamaCppEngine:
             return
         for seq in list(self._running):  # _release removes it from _running
             self._release(seq)
+        for chain in self._chains.values():
+            chain.free(self._ctx)
+        self._chains.clear()
         if self._batch is not None:
             ll.llama_batch_free(self._batch)
             self._batch = None
@@ -654,7 +673,29 @@ class LlamaCppEngine:
     def _admit(self, seq: _Sequence) -> None:
         seq.seq_id, reused = self._pick_slot(seq.prompt)
         seq.prefilled = reused
+        seq.chain = self._chain_for(seq.seq_id, seq.params)
         self._running.append(seq)
+
+    def _chain_for(self, sid: int, params: SamplingParams) -> DeviceChain | None:
+        """The device chain that samples `sid`'s next request: the one already attached when
+        it computes the same (no rebuild), else a new one; None: the host samples it (then no
+        chain may stay attached, or llama.cpp would not copy this row's logits out)."""
+        held = self._chains.get(sid)
+        want = self._on_device and device_sampling.eligible(params)
+        key = device_sampling.reuse_key(params)
+        if want and held is not None and key is not None and held.key == key:
+            return held
+        if held is not None:
+            held.free(self._ctx)
+            del self._chains[sid]
+        if not want:
+            return None
+        chain = DeviceChain(self._ll, self._n_vocab, params)
+        if not chain.attach(self._ctx, sid):  # this backend lacks an op: the host samples
+            chain.free(self._ctx)
+            return None
+        self._chains[sid] = chain
+        return chain
 
     def _pick_slot(self, prompt: list[int]) -> tuple[int, int]:
         """A free seq_id, preferring the one whose cached prompt shares the longest prefix.
@@ -722,6 +763,15 @@ class LlamaCppEngine:
         ll, mem, src = self._ll, self._mem, seq.seq_id
         ll.llama_memory_seq_cp(mem, src, dst, -1, -1)  # cross-stream: a deferred buffer copy
         ll.llama_memory_seq_rm(mem, src, -1, -1)
+        if dst in self._chains:
+            self._chains.pop(dst).free(self._ctx)
+        if seq.chain is not None:
+            del self._chains[src]
+            if seq.chain.move(self._ctx, dst):
+                self._chains[dst] = seq.chain
+            else:  # cannot happen: it ran on this device before
+                seq.chain.free(self._ctx)
+                seq.chain = None
         self._free_ids.remove(dst)
         self._free_ids.append(src)
         self._slot_cache[dst] = []  # its cached prefix (if any) was just overwritten
@@ -749,6 +799,7 @@ class LlamaCppEngine:
         return self._eog_all
 
     def _free_sampler(self, seq: _Sequence) -> None:
+        seq.chain = None  # it stays attached to the seq_id for the next request (_chain_for)
         if seq.grammar is not None:
             seq.grammar.free()
             seq.grammar = None
@@ -809,17 +860,13 @@ class LlamaCppEngine:
         batch.n_tokens = len(entries)
 
     def _sample(self, outputs: list[tuple[_Sequence, int]]) -> None:
-        ll, ctx = self._ll, self._ctx
         emits: list[tuple[_Stream, Delta]] = []
-        rows = [
-            np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), (self._n_vocab,))
-            for _seq, idx in outputs
-        ]
-        chosen = self._choose([seq for seq, _idx in outputs], rows)
-        for (seq, _idx), row, tok in zip(outputs, rows, chosen, strict=True):
+        for seq, tok, row in self._tokens(outputs):
             seq.sampler.accept(tok)
             if seq.grammar is not None:
                 seq.grammar.accept(tok)
+            if seq.chain is not None:
+                seq.chain.accept(tok)
             delta = self._advance(seq, tok, row)
             if delta is not None:
                 emits.append((seq.stream, delta))
@@ -827,6 +874,29 @@ class LlamaCppEngine:
                     self._release(seq)
         if emits and self._loop is not None:
             self._loop.call_soon_threadsafe(_deliver, emits)
+
+    def _tokens(
+        self, outputs: list[tuple[_Sequence, int]]
+    ) -> list[tuple[_Sequence, int, np.ndarray | None]]:
+        """Each output's token: drawn in the decode (a device chain) or here from its logits
+        row. llama.cpp copies the logits to the host only when some row needs them."""
+        ll, ctx = self._ll, self._ctx
+        picked: list[tuple[_Sequence, int, np.ndarray | None]] = []
+        host: list[tuple[_Sequence, np.ndarray]] = []
+        for seq, idx in outputs:
+            if seq.chain is None:
+                row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, idx), (self._n_vocab,))
+                host.append((seq, row))
+                continue
+            tok = seq.chain.token(ctx, idx)
+            if tok < 0:  # the chain ran nowhere: a llama.cpp invariant broke
+                raise EngineError(f"llama.cpp drew no token for sequence {seq.seq_id}")
+            picked.append((seq, tok, None))
+        self.device_rows += len(picked)
+        if host:
+            chosen = self._choose([seq for seq, _ in host], [row for _, row in host])
+            picked += [(seq, tok, row) for (seq, row), tok in zip(host, chosen, strict=True)]
+        return picked
 
     def _choose(self, seqs: list[_Sequence], rows: list[np.ndarray]) -> list[int]:
         """Each row's token. Rows that need more than an argmax go to the sampler pool where
@@ -844,14 +914,15 @@ class LlamaCppEngine:
             picks[i] = tok
         return [int(tok) for tok in picks if tok is not None]
 
-    def _advance(self, seq: _Sequence, tok: int, row: np.ndarray) -> Delta | None:
+    def _advance(self, seq: _Sequence, tok: int, row: np.ndarray | None) -> Delta | None:
         seq.last_token = tok
         if self._is_eog(tok):
             return Delta(seq.text.flush(), 0, FinishReason.STOP)
         seq.generated += 1
         piece = self._piece(tok)
         text, stopped = seq.text.push(piece)
-        lp = () if seq.params.logprobs is None else (self._logprob(row, tok, seq.params.logprobs),)
+        top = seq.params.logprobs
+        lp = () if top is None or row is None else (self._logprob(row, tok, top),)
         if stopped:
             return Delta(text, 1, FinishReason.STOP, logprobs=lp)
         full = seq.prefilled + seq.generated >= self.info.context_length

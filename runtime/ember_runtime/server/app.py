@@ -42,6 +42,7 @@ def build_engine(
             max_queue=config.server.max_queue,
             model_id=config.model_name,
         )
+    from ember_runtime.engines.device_sampling import DeviceSampling  # noqa: PLC0415
     from ember_runtime.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
     modes = config.engine.llamacpp_modes()
@@ -59,6 +60,7 @@ def build_engine(
         kv_unified=modes.kv_unified,
         gpu_layers=config.engine.offloaded_layers(config.accelerator),
         sampler_threads=config.engine.sampler_threads,
+        device_sampling=DeviceSampling(config.engine.device_sampling),
         observer=observer,
     )
 
