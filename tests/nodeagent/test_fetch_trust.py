@@ -14,6 +14,7 @@ the chart's RBAC and policies, against real origins and a real (hostile) peer on
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -27,12 +28,18 @@ from typing import Any
 import pytest
 from ember_runtime import reasons
 from ember_runtime.config import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
+from ember_runtime.nodeagent.cache import Want
+from ember_runtime.nodeagent.fetcher import KubeReader
 from ember_runtime.nodeagent.site import (
     CACHE_ANNOTATION,
     FAILED_ANNOTATION,
     PEER_ANNOTATION,
+    Leases,
+    SiteConfig,
+    lease_name,
     short,
 )
+from ember_runtime.thermal.kube import Endpoint
 from kubernetes import client
 
 from tests.conftest import Kube
@@ -235,3 +242,51 @@ def test_a_wrong_url_from_one_tenant_does_not_block_another(
     assert agent.cache.path(SHA).read_bytes() == DATA
     assert agent.cache.failure(SHA) is None
     assert asked == ["/wrong.gguf", "/right.gguf"], asked  # A's URL is not tried again
+
+
+def test_a_failure_on_the_lease_expires_and_is_retried(world: SiteWorld, kube: Kube) -> None:
+    """Hole 2's 'failures expire': a holder's ChecksumMismatch on the site Lease stands for the
+    others for `failure_seconds` by their own clock, then the next asker takes the Lease over
+    (with the failure cleared) and downloads again. The real Leases code, with each node's own
+    bound token, through the chart's Lease policy; only the clock is the test's."""
+    holder, other = world.add_nodes(["127.0.0.1", "127.0.0.1"])
+    world.want(None)
+    url = "http://origin.example/m.gguf"
+    want = Want(url, SHA, SIZE)
+    now = [0.0]
+
+    async def scenario() -> None:
+        readers = [_reader(world, kube, node) for node in (holder, other)]
+        try:
+            first, second = (
+                Leases(
+                    r, SiteConfig(node=n, namespace=world.namespace, peer_port=0), lambda: now[0]
+                )
+                for r, n in zip(readers, (holder, other), strict=True)
+            )
+            name = lease_name(world.site, SHA)
+            assert (await first.acquire(name, world.site, want)).mine
+            await first.mark_failed(name, url, "ChecksumMismatch: expected ab… got cd…")
+            seen = await second.acquire(name, world.site, want)
+            assert seen.failed is not None and not seen.mine  # the site's failure, for now
+            now[0] += 299.0
+            assert (await second.acquire(name, world.site, want)).failed is not None
+            now[0] += 2.0  # past failure_seconds (300) since `other` first saw it
+            retried = await second.acquire(name, world.site, want)
+            assert retried.mine and retried.failed is None
+            lease: Any = await readers[1].get(
+                f"/apis/coordination.k8s.io/v1/namespaces/{world.namespace}/leases/{name}"
+            )
+            assert FAILED_ANNOTATION not in (lease["metadata"].get("annotations") or {})
+            assert lease["spec"]["holderIdentity"] == other
+        finally:
+            for r in readers:
+                await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def _reader(world: SiteWorld, kube: Kube, node: str) -> KubeReader:
+    sa = world._token(node)
+    endpoint = Endpoint(str(kube.api.configuration.host), sa / "token", sa / "ca.crt")
+    return KubeReader(endpoint)
