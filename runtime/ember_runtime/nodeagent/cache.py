@@ -60,6 +60,11 @@ class FetchError(Exception):
         self.status = status  # the HTTP status, when the server answered with an error
 
 
+def failure_line(err: FetchError) -> str:
+    """The line `record_failure` writes (and `failure` reads back) for `err`."""
+    return reasons.termination_message(err.reason, str(err))
+
+
 class Busy(Exception):
     """Another process is downloading the same digest right now."""
 
@@ -133,7 +138,7 @@ class ContentCache:
         return sorted(n for n in names if len(n) == 64 and all(c in HEX for c in n))
 
     def record_failure(self, sha256: str, err: FetchError) -> None:
-        _write_line(self.failures, sha256, reasons.termination_message(err.reason, str(err)))
+        _write_line(self.failures, sha256, failure_line(err))
 
     def clear_failure(self, sha256: str) -> None:
         (self.failures / sha256).unlink(missing_ok=True)

@@ -26,6 +26,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import re
 import ssl
 import threading
 import time
@@ -44,7 +45,7 @@ from ember_runtime.config import (
     ModelFetch,
     fetch_from_spec,
 )
-from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want
+from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, failure_line
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
 from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.metrics import ORIGIN, AgentMetrics
@@ -59,6 +60,7 @@ WATCH_SECONDS = 300  # the API server ends a watch after this; the agent starts 
 MAX_MISMATCH_RETRY_SECONDS = 6 * 3600.0
 INFERENCE_DEPLOYMENTS = "/apis/ember.dev/v1alpha1/namespaces/{namespace}/inferencedeployments"
 API_ERRORS = (ApiError, httpx.HTTPError, ValueError, KeyError)
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain
 
 
 def _utcnow() -> dt.datetime:
@@ -126,6 +128,8 @@ def claim_of(pod: dict[str, Any]) -> Claim | None:
     namespace = meta.get("namespace")
     if not name or not version or not namespace:
         return None
+    if not (_NAME.fullmatch(str(name)) and _NAME.fullmatch(str(namespace))):
+        return None  # not an object name: nothing to look up (and nothing to put in a path)
     return Claim(str(namespace), str(name), str(version))
 
 
@@ -242,7 +246,7 @@ class Fetcher:
         try:
             if len(failures) < len(sources):
                 self.cache.clear_failure(sha)
-            else:
+            elif self.cache.failure(sha) != failure_line(failures[-1]):
                 self.cache.record_failure(sha, failures[-1])
         except OSError as err:  # e.g. failed/ not ours (the chart's init container fixes it)
             log.error(
