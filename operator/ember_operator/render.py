@@ -16,10 +16,9 @@ from typing import Any
 import jinja2
 from ember_runtime import reasons
 from ember_runtime.config import (
-    MODEL_FETCH_ANNOTATION,
+    FETCH_HASH_ANNOTATION,
+    INSTANCE_LABEL,
     EngineSettings,
-    FetchFile,
-    ModelFetch,
     ModelFile,
     RuntimeConfig,
     SensorSettings,
@@ -27,6 +26,7 @@ from ember_runtime.config import (
     ThermalPolicy,
     cache_label,
     dump_yaml,
+    fetch_from_spec,
 )
 
 from ember_operator import quantity
@@ -36,7 +36,6 @@ from ember_operator.api.models import ThermalPolicy as PolicyKind
 from ember_operator.settings import MANAGED_BY, OperatorSettings
 from ember_operator.sizing import Sizing
 
-INSTANCE_LABEL = "ember.dev/instance"
 CONFIG_HASH_ANNOTATION = "ember.dev/config-hash"
 EXTENDED_RESOURCE = {
     AcceleratorKind.NVIDIA_GPU: "nvidia.com/gpu",
@@ -413,18 +412,14 @@ def affinity(spec: InferenceDeploymentSpec) -> dict[str, Any]:
 
 
 def pod_annotations(spec: InferenceDeploymentSpec, config_hash: str) -> dict[str, str]:
-    """The pod template's annotations; an http source adds what the node agent must fetch."""
+    """The pod template's annotations; an http source adds the digest of its fetch list. The
+    node agent reads what to fetch from this object's spec, never from the pod (a pod author
+    could write anything there); the digest tells it to look, and rolls the pods when a URL
+    changes."""
     out = {"ember.dev/config-hash": config_hash}
-    http = spec.model.source.http
-    if http is not None:
-        fetch = ModelFetch(
-            secret_ref=http.secret_ref.name if http.secret_ref else None,
-            files=[
-                FetchFile(url=http.urls[f.path], sha256=f.sha256, size_bytes=f.size_bytes)
-                for f in spec.model.files
-            ],
-        )
-        out[MODEL_FETCH_ANNOTATION] = fetch.model_dump_json(by_alias=True, exclude_none=True)
+    fetch = fetch_from_spec(spec.model.model_dump(by_alias=True, mode="json", exclude_none=True))
+    if fetch is not None:
+        out[FETCH_HASH_ANNOTATION] = fetch.digest()
     return out
 
 

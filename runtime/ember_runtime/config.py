@@ -15,6 +15,7 @@ The operator imports this module; the runtime never imports the operator.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -58,9 +59,15 @@ class ModelFile(_Wire):
     size_bytes: int = Field(ge=0)
 
 
-# On a pod whose model comes from an http source: what the node agent must fetch for it (a
-# `ModelFetch` as JSON). The agent reads it from the pods on its node; prewarm waits for it.
-MODEL_FETCH_ANNOTATION = "ember.dev/model-fetch"
+# What the node agent fetches comes from an InferenceDeployment's own spec (validated by its
+# CRD), never from anything a pod author writes: the pod names its InferenceDeployment with
+# INSTANCE_LABEL, and the agent reads that object in the pod's own namespace (nodeagent/fetcher).
+# A pod can so name only a spec of its own namespace, whose author could run it anyway.
+INSTANCE_LABEL = "ember.dev/instance"
+# On a pod whose model comes from an http source: a digest of its fetch list (`fetch_hash`). It
+# says "read my InferenceDeployment's spec" (pods without it cost the agent nothing) and,
+# being in the pod template, rolls the pods when a URL changes. Its value is never trusted.
+FETCH_HASH_ANNOTATION = "ember.dev/model-fetch-hash"
 # On a Node whose agent holds a file in its cache: `cache.ember.dev/<first 16 hex of the
 # sha256>: "true"` (a sha256 does not fit a label name; 64 bits tell a fleet's models apart).
 # The agent sets and removes it; the operator prefers nodes that carry it (nodeAffinity).
@@ -83,6 +90,30 @@ class ModelFetch(_Wire):
         default=None, description="Secret in the node agent's namespace with credentials."
     )
     files: list[FetchFile]
+
+    def digest(self) -> str:
+        """`FETCH_HASH_ANNOTATION`'s value: changes with any URL, digest, size or Secret."""
+        text = self.model_dump_json(by_alias=True, exclude_none=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fetch_from_spec(model: Any) -> ModelFetch | None:
+    """An InferenceDeployment's `spec.model` (as the API server returns it) → what to fetch;
+    None for a source other than http. Raises ValueError (pydantic's) on a shape the CRD
+    would not have accepted."""
+    if not isinstance(model, dict):
+        raise ValueError("spec.model is not an object")
+    http = (model.get("source") or {}).get("http")
+    if http is None:
+        return None
+    urls = http.get("urls") or {}
+    secret = http.get("secretRef") or {}
+    files = [
+        {"url": urls[f["path"]], "sha256": f.get("sha256"), "sizeBytes": f.get("sizeBytes")}
+        for f in model.get("files") or []
+        if f.get("path") in urls
+    ]
+    return ModelFetch.model_validate({"secretRef": secret.get("name"), "files": files})
 
 
 class EngineSettings(_Wire):

@@ -182,6 +182,8 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
         # The pods on its node (by field selector), for the http sources it fetches.
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+        # What those pods' files are: their InferenceDeployment's spec, never the pod's word.
+        {"apiGroups": ["ember.dev"], "resources": ["inferencedeployments"], "verbs": ["get"]},
         # Its own Node's cache labels (and, site sharing, its site's Nodes and its own
         # annotations): narrowed by the -own-metadata policy below.
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},

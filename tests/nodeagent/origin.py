@@ -3,7 +3,8 @@
 Serves in-memory files by path, answers `Range: bytes=N-` / `bytes=N-M` with 206 and a
 `Content-Range`, counts every body byte it sends (`bytes_sent`), records each request's headers,
 and can be told to cut the connection after a number of body bytes (`cut_after`, once per
-value set), which is what an interrupted WAN transfer looks like to the client.
+value set; `cut_always`, every response), which is what an interrupted WAN transfer (or a peer
+that sends some bytes and hangs up) looks like to the client. `paths` lists what was asked.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ class OriginState:
     files: dict[str, bytes]
     bytes_sent: int = 0
     cut_after: int | None = None  # cut the next response after this many body bytes
+    cut_always: int | None = None  # cut every response after this many body bytes
     ignore_range: bool = False
     requests: list[dict[str, str]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # each request's path, in order
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, n: int) -> None:
@@ -44,6 +47,7 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.server.state
         with state.lock:
             state.requests.append({k.lower(): v for k, v in self.headers.items()})
+            state.paths.append(self.path)
         data = state.files.get(self.path.split("?", 1)[0].lstrip("/"))
         if data is None:
             self.send_error(404)
@@ -72,6 +76,7 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.server.state
         with state.lock:
             cut, state.cut_after = state.cut_after, None
+            cut = state.cut_always if cut is None else cut
         limit = len(body) if cut is None else min(cut, len(body))
         for offset in range(0, limit, _CHUNK):
             piece = body[offset : min(offset + _CHUNK, limit)]

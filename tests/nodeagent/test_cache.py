@@ -92,15 +92,31 @@ def test_partial_from_an_earlier_run_is_rehashed_and_resumed(
     assert cache.path(SHA).read_bytes() == DATA
 
 
-def test_corrupt_partial_is_caught_by_the_digest(cache: ContentCache, client: httpx.Client) -> None:
-    """Bytes on disk are not trusted: a flipped byte in the partial fails the whole file."""
+def test_corrupt_partial_is_caught_by_the_digest_and_fetched_again_whole(
+    cache: ContentCache, client: httpx.Client
+) -> None:
+    """Bytes on disk are not trusted: a flipped byte in the partial fails the resumed file,
+    which is then fetched once more from the first byte (a mismatch is reported only for a
+    file downloaded whole from the URL: issue 34, hole 2)."""
     cache.blobs.mkdir(parents=True)
     bad = bytearray(DATA[: SIZE // 2])
     bad[10] ^= 0xFF
     cache.partial(SHA).write_bytes(bad)
-    with serve({"m.gguf": DATA}) as (base, _), pytest.raises(FetchError) as info:
+    with serve({"m.gguf": DATA}) as (base, origin):
         cache.fetch(client, Want(f"{base}/m.gguf", SHA, SIZE))
+    assert cache.path(SHA).read_bytes() == DATA
+    assert origin.bytes_sent == (SIZE - SIZE // 2) + SIZE
+    assert _entries(cache) == [SHA]
+
+
+def test_a_whole_file_that_hashes_wrong_is_a_checksum_mismatch(
+    cache: ContentCache, client: httpx.Client
+) -> None:
+    wrong = hashlib.sha256(b"x").hexdigest()
+    with serve({"m.gguf": DATA}) as (base, origin), pytest.raises(FetchError) as info:
+        cache.fetch(client, Want(f"{base}/m.gguf", wrong, SIZE))
     assert info.value.reason == reasons.CHECKSUM_MISMATCH
+    assert origin.bytes_sent == SIZE  # fetched once: nothing was resumed
     assert _entries(cache) == []
 
 

@@ -1,24 +1,30 @@
 """Prewarm on an http source: it waits for the node agent's cache, reports the agent's recorded
 failure as its own reason, and gives up with ModelDownloading after `model_wait_seconds`; the
 agent's fetcher fills the cache from the pods it is shown. No cluster: the real cache, a real
-origin, real files."""
+origin, real files; the InferenceDeployments' specs come from a dict (`_Specs`) rather than the
+API server (tests/nodeagent/test_fetch_trust.py reads them from the real one)."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import io
-import json
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from ember_runtime import reasons
-from ember_runtime.config import MODEL_FETCH_ANNOTATION, ModelFile, RuntimeConfig
+from ember_runtime.config import (
+    FETCH_HASH_ANNOTATION,
+    INSTANCE_LABEL,
+    ModelFetch,
+    ModelFile,
+    RuntimeConfig,
+)
 from ember_runtime.nodeagent.cache import ContentCache, FetchError
-from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
+from ember_runtime.nodeagent.fetcher import Claim, Fetcher, KubeReader
 from ember_runtime.prewarm import cachewait
 from ember_runtime.prewarm.cachewait import wait_for_cache
 from ember_runtime.prewarm.errors import PrewarmError
@@ -138,16 +144,31 @@ def test_the_first_wait_of_a_pod_is_short_then_model_wait_seconds(
 
 
 def _pod(uid: str, base: str, sha: str) -> dict[str, Any]:
+    """A pod of InferenceDeployment `sha[:8]` whose spec (in `_Specs`) wants `base`/m.gguf."""
     fetch = {"files": [{"url": f"{base}/m.gguf", "sha256": sha, "sizeBytes": len(DATA)}]}
-    annotations = {MODEL_FETCH_ANNOTATION: json.dumps(fetch)}
-    return {"metadata": {"uid": uid, "name": uid, "annotations": annotations}}
+    _Specs.specs[sha[:8]] = ModelFetch.model_validate(fetch)
+    meta = {
+        "uid": uid,
+        "name": uid,
+        "namespace": "t",
+        "labels": {INSTANCE_LABEL: sha[:8]},
+        "annotations": {FETCH_HASH_ANNOTATION: "v1"},
+    }
+    return {"metadata": meta}
+
+
+class _Specs:
+    specs: ClassVar[dict[str, ModelFetch]] = {}
+
+    async def resolve(self, claim: Claim) -> ModelFetch | None:
+        return self.specs.get(claim.name)
 
 
 async def _fetch_for(cache: ContentCache, pods: list[dict[str, Any]]) -> Fetcher:
     reader = KubeReader(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
-    fetcher = Fetcher(cache, reader, "node-a", "ember-system")
+    fetcher = Fetcher(cache, reader, "node-a", "ember-system", resolver=_Specs())
     for pod in pods:
-        fetcher._apply({"type": "ADDED", "object": pod})
+        await fetcher._apply({"type": "ADDED", "object": pod})
     fetcher.reconcile()
     fetcher.reconcile()  # a second pass starts nothing twice
     assert len(fetcher._running) <= 1
@@ -165,7 +186,7 @@ def test_fetcher_fills_the_cache_once_for_the_pods_that_want_it(tmp_path: Path) 
     assert origin.bytes_sent == len(DATA)  # two pods, one download
 
 
-def test_fetcher_records_a_mismatch_and_does_not_retry_it(tmp_path: Path) -> None:
+def test_fetcher_records_a_mismatch_and_does_not_retry_it_at_once(tmp_path: Path) -> None:
     cache = ContentCache(tmp_path)
     wrong = hashlib.sha256(b"other").hexdigest()
     with serve({"m.gguf": DATA}) as (base, origin):
@@ -180,6 +201,6 @@ def test_fetcher_records_a_mismatch_and_does_not_retry_it(tmp_path: Path) -> Non
 
         asyncio.run(again())
         assert len(origin.requests) == 1
-        fetcher._apply({"type": "DELETED", "object": _pod("a", base, wrong)})
+        asyncio.run(fetcher._apply({"type": "DELETED", "object": _pod("a", base, wrong)}))
         fetcher.reconcile()  # nobody wants it any more: the record goes
     assert cache.failure(wrong) is None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import yaml
@@ -308,19 +307,17 @@ def test_http_source_mounts_the_node_cache_and_tells_the_agent_what_to_fetch() -
     }
     prewarm = pod["initContainers"][0]
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in prewarm["volumeMounts"]
-    annotations = out["Deployment"]["spec"]["template"]["metadata"]["annotations"]
-    fetch = json.loads(annotations["ember.dev/model-fetch"])
+    template = out["Deployment"]["spec"]["template"]["metadata"]
+    # What to fetch is never on the pod (a pod author could write it there: issue 34, hole 1):
+    # the pod names its InferenceDeployment, and a digest of the fetch list rolls the pods when
+    # a URL changes.
+    assert "ember.dev/model-fetch" not in template["annotations"]
+    assert template["labels"]["ember.dev/instance"] == "demo"
+    digest = template["annotations"]["ember.dev/model-fetch-hash"]
+    other = _render(model=_http_model(urls={"gemma.gguf": "https://models.example/other"}))
+    other_template = other["Deployment"]["spec"]["template"]["metadata"]
+    assert other_template["annotations"]["ember.dev/model-fetch-hash"] != digest
     file = manifest()["spec"]["model"]["files"][0]
-    assert fetch == {
-        "secretRef": "hf",
-        "files": [
-            {
-                "url": "https://models.example/g.gguf?sig=1",
-                "sha256": file["sha256"],
-                "sizeBytes": file["sizeBytes"],
-            }
-        ],
-    }
     config = RuntimeConfig.model_validate(yaml.safe_load(out["ConfigMap"]["data"]["config.yaml"]))
     assert config.model_layout == "sha256"
     assert str(config.source_file(config.files[0])) == f"/models/sha256/{file['sha256']}"

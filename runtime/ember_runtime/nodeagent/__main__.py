@@ -60,6 +60,18 @@ class AgentSettings(BaseSettings):
         default=None, description="The agent's own namespace: where it reads origin Secrets."
     )
     retry_seconds: float = Field(default=60.0, gt=0, description="Retry a failed download.")
+    mismatch_retry_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="Retry a URL whose whole file hashed wrong after this long, doubling on "
+        "each repeat up to 6 h (the bytes at the URL may be fixed).",
+    )
+    failure_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="A mismatch written on a site Lease stands this long (by this agent's "
+        "clock) before this agent tries the URL itself.",
+    )
     # Site sharing (site.py): on when a peer key is given.
     peer_key_file: Path | None = Field(
         default=None,
@@ -192,6 +204,7 @@ async def run(settings: AgentSettings) -> None:
             settings.node_name,
             settings.namespace or "default",
             retry_seconds=settings.retry_seconds,
+            mismatch_retry_seconds=settings.mismatch_retry_seconds,
             site=site,
             limiter=limiter,
             windows=Windows(settings.origin_windows) if settings.origin_windows else None,
@@ -238,6 +251,7 @@ def start_site_sharing(
         peer_address=settings.peer_address,
         lease_seconds=settings.lease_seconds,
         origin_wait_seconds=settings.origin_wait_seconds,
+        failure_seconds=settings.failure_seconds,
     )
     # Peers are on the LAN: a short connect timeout moves on to the next one quickly.
     http = httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0))

@@ -60,6 +60,11 @@ class FetchError(Exception):
         self.status = status  # the HTTP status, when the server answered with an error
 
 
+def failure_line(err: FetchError) -> str:
+    """The line `record_failure` writes (and `failure` reads back) for `err`."""
+    return reasons.termination_message(err.reason, str(err))
+
+
 class Busy(Exception):
     """Another process is downloading the same digest right now."""
 
@@ -93,6 +98,10 @@ class ContentCache:
         self.failures = root / "failed"
         self.waiting = root / "waiting"  # why a download waits (a window), for prewarm
 
+    def directories(self) -> tuple[Path, ...]:
+        """What the agent writes into (the chart's init container gives them to its uid)."""
+        return (self.blobs, self.failures, self.waiting)
+
     def path(self, sha256: str) -> Path:
         return self.blobs / sha256
 
@@ -120,8 +129,16 @@ class ContentCache:
         except OSError:
             return None
 
+    def failed(self) -> list[str]:
+        """The digests with a failure record."""
+        try:
+            names = [p.name for p in self.failures.iterdir()]
+        except OSError:
+            return []
+        return sorted(n for n in names if len(n) == 64 and all(c in HEX for c in n))
+
     def record_failure(self, sha256: str, err: FetchError) -> None:
-        _write_line(self.failures, sha256, reasons.termination_message(err.reason, str(err)))
+        _write_line(self.failures, sha256, failure_line(err))
 
     def clear_failure(self, sha256: str) -> None:
         (self.failures / sha256).unlink(missing_ok=True)
@@ -142,29 +159,38 @@ class ContentCache:
         attempts: int = 5,
         limiter: TokenBucket | None = None,
         meter: Meter | None = None,
+        keep_partial: bool = True,
     ) -> Path:
         """Make `path(want.sha256)` hold the verified file; returns it.
 
         Resumes a `.partial` left by an earlier attempt; retries a broken stream up to
-        `attempts` times, each from where the last stopped. Raises FetchError (a checksum or
-        size mismatch also deletes the partial, so the cache holds nothing for that digest),
-        Busy, or InterruptedError when `stop` is set. `limiter` paces the transfer (origin
-        traffic; peers on the LAN go at line rate). `meter` counts the bytes received.
+        `attempts` times, each from where the last stopped. A mismatch after resuming onto
+        bytes that were already there is tried once more from the first byte before it counts
+        (those bytes may have come from anywhere: a crash, a disk, an older agent), so a
+        mismatch is reported only for a file downloaded whole from `want.url`. Raises FetchError
+        (a checksum or size mismatch also deletes the partial, so the cache holds nothing for
+        that digest), Busy, or InterruptedError when `stop` is set. `keep_partial=False` (a
+        site peer: its bytes are unverified until the whole file hashes right) deletes the
+        partial on any failure, so nothing a peer sent outlives its transfer. `limiter` paces
+        the transfer (origin traffic; peers on the LAN go at line rate). `meter` counts the
+        bytes received.
         """
         final = self.path(want.sha256)
         if self.has(want.sha256, want.size_bytes):
             return final
         self.blobs.mkdir(parents=True, exist_ok=True)
         _chmod(self.blobs, 0o755)
+        pacing = _Pacing(stop, progress, limiter, meter)
         with _locked_partial(self.partial(want.sha256)) as fd:
             try:
-                digest = _download_retrying(
-                    client,
-                    want,
-                    fd,
-                    _Pacing(stop, progress, limiter, meter),
-                    attempts=attempts,
-                )
+                resumed = os.fstat(fd).st_size > 0
+                digest = _download_retrying(client, want, fd, pacing, attempts=attempts)
+                if digest != want.sha256 and resumed:
+                    log.warning(
+                        "%s: a resumed file did not hash right; from the start", want.where()
+                    )
+                    os.ftruncate(fd, 0)
+                    digest = _download_retrying(client, want, fd, pacing, attempts=attempts)
                 if digest != want.sha256:
                     raise FetchError(
                         f"{want.where()} expected {want.sha256[:12]}… got {digest[:12]}…",
@@ -175,7 +201,7 @@ class ContentCache:
                 mismatch = (
                     isinstance(err, FetchError) and err.reason != reasons.MODEL_DOWNLOAD_FAILED
                 )
-                if mismatch or os.fstat(fd).st_size == 0:
+                if not keep_partial or mismatch or os.fstat(fd).st_size == 0:
                     self.partial(want.sha256).unlink(missing_ok=True)
                 raise
             os.fsync(fd)

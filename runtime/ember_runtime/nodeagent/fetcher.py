@@ -1,15 +1,23 @@
-"""What the node agent fetches: the http-source files of the pods on its own node.
+"""What the node agent fetches: the http-source files of the InferenceDeployments whose pods
+run on its own node.
 
 The agent lists and watches pods with `fieldSelector=spec.nodeName=<node>` (the only pods it
-asks for), reads each pod's `ember.dev/model-fetch` annotation (written by the operator), and
-keeps every listed digest in the node cache (`cache.ContentCache`), one download per digest.
+asks for). A pod names its InferenceDeployment (label `ember.dev/instance`, annotation
+`ember.dev/model-fetch-hash`); the agent reads that object *in the pod's own namespace* and
+takes the URLs, digests, sizes and Secret from its spec, which the CRD validated. Nothing a pod
+author writes on a pod is fetched: a hand-made pod can at most name an InferenceDeployment of its
+own namespace, whose model the agent would fetch for that object's own pods anyway.
+
+Each wanted digest is kept in the node cache (`cache.ContentCache`), one download at a time.
 With site sharing on (`site.SiteSharing`), a file comes from a site peer, or from the origin
 under the site's Lease; origin transfers are paced by the agent's token bucket (`ratelimit`).
 
-A failure is recorded for prewarm to report (`cache.record_failure`). A checksum or size
-mismatch is not retried — the bytes at the URL are not the ones the spec names, and fetching
-them again would only cost the link — until no pod on the node wants that digest any more. An
-origin error (HTTP 404, unreachable) is retried every `retry_seconds`.
+Several pods may name the same digest with different URLs (two tenants, one public model).
+Failures are kept per (digest, URL): a URL that failed does not stop another URL for the same
+digest, and `failed/<digest>` (what prewarm reports) is written only while every URL wanted for
+the digest has failed. A checksum or size mismatch is retried after `mismatch_retry_seconds`,
+doubling up to `MAX_MISMATCH_RETRY_SECONDS` (the bytes at the URL may be fixed, but fetching them
+again costs the link); an origin error (HTTP 404, unreachable) every `retry_seconds`.
 """
 
 from __future__ import annotations
@@ -18,19 +26,26 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import re
 import ssl
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from pydantic import ValidationError
 
 from ember_runtime import reasons
-from ember_runtime.config import MODEL_FETCH_ANNOTATION, FetchFile, ModelFetch
-from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want
+from ember_runtime.config import (
+    FETCH_HASH_ANNOTATION,
+    INSTANCE_LABEL,
+    FetchFile,
+    ModelFetch,
+    fetch_from_spec,
+)
+from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, failure_line
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
 from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.metrics import ORIGIN, AgentMetrics
@@ -42,6 +57,10 @@ from ember_runtime.thermal.kube import ApiError, Endpoint
 log = logging.getLogger("ember_runtime.nodeagent.fetcher")
 
 WATCH_SECONDS = 300  # the API server ends a watch after this; the agent starts the next one
+MAX_MISMATCH_RETRY_SECONDS = 6 * 3600.0
+INFERENCE_DEPLOYMENTS = "/apis/ember.dev/v1alpha1/namespaces/{namespace}/inferencedeployments"
+API_ERRORS = (ApiError, httpx.HTTPError, ValueError, KeyError)
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain
 
 
 def _utcnow() -> dt.datetime:
@@ -93,22 +112,61 @@ class KubeReader:
         await self._http.aclose()
 
 
-def model_fetch(pod: dict[str, Any]) -> ModelFetch | None:
-    """The pod's fetch list, or None (no http source, or an annotation we cannot read)."""
-    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(MODEL_FETCH_ANNOTATION)
-    if not raw:
+@dataclass(frozen=True)
+class Claim:
+    """The InferenceDeployment a pod names: a place to look, never what to fetch."""
+
+    namespace: str
+    name: str
+    version: str  # the pod's FETCH_HASH_ANNOTATION: a new value means "read the spec again"
+
+
+def claim_of(pod: dict[str, Any]) -> Claim | None:
+    meta = pod.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(INSTANCE_LABEL)
+    version = (meta.get("annotations") or {}).get(FETCH_HASH_ANNOTATION)
+    namespace = meta.get("namespace")
+    if not name or not version or not namespace:
         return None
-    try:
-        return ModelFetch.model_validate_json(raw)
-    except ValidationError:
-        log.warning("pod %s: unreadable %s", pod["metadata"].get("name"), MODEL_FETCH_ANNOTATION)
-        return None
+    if not (_NAME.fullmatch(str(name)) and _NAME.fullmatch(str(namespace))):
+        return None  # not an object name: nothing to look up (and nothing to put in a path)
+    return Claim(str(namespace), str(name), str(version))
+
+
+class Resolver(Protocol):
+    async def resolve(self, claim: Claim) -> ModelFetch | None: ...
+
+
+class SpecResolver:
+    """Reads what to fetch from the named InferenceDeployment's spec, in the pod's namespace."""
+
+    def __init__(self, reader: KubeReader) -> None:
+        self.reader = reader
+
+    async def resolve(self, claim: Claim) -> ModelFetch | None:
+        path = f"{INFERENCE_DEPLOYMENTS.format(namespace=claim.namespace)}/{claim.name}"
+        try:
+            obj = await self.reader.get(path)
+        except ApiError as err:
+            if err.status == 404:  # a hand-made pod naming nothing, or the object is gone
+                log.info("%s/%s: no such InferenceDeployment", claim.namespace, claim.name)
+                return None
+            raise
+        try:
+            return fetch_from_spec((obj.get("spec") or {}).get("model"))
+        except (ValidationError, ValueError) as err:
+            log.warning("%s/%s: unreadable spec.model: %s", claim.namespace, claim.name, err)
+            return None
 
 
 @dataclass(frozen=True)
 class Wanted:
     file: FetchFile
     secret_ref: str | None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.file.sha256, self.file.url)
 
 
 class Fetcher:
@@ -120,46 +178,95 @@ class Fetcher:
         namespace: str,
         *,
         retry_seconds: float = 60.0,
+        mismatch_retry_seconds: float = 600.0,
         site: SiteSharing | None = None,
         limiter: TokenBucket | None = None,
         windows: Windows | None = None,
         metrics: AgentMetrics | None = None,
         labels: CacheLabels | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         self.cache, self.reader, self.node, self.namespace = cache, reader, node, namespace
         self.metrics, self.labels = metrics, labels
-        self.retry_seconds = retry_seconds
+        self.retry_seconds, self.mismatch_retry_seconds = retry_seconds, mismatch_retry_seconds
         self.site, self.limiter, self.windows = site, limiter, windows
+        self.resolver: Resolver = resolver if resolver is not None else SpecResolver(reader)
         self._window_stops: set[threading.Event] = set()
-        self.pods: dict[str, ModelFetch] = {}  # pod uid → its fetch list
-        self._running: dict[str, asyncio.Task[None]] = {}
-        self._retry_at: dict[str, float] = {}
+        self.pods: dict[str, ModelFetch] = {}  # pod uid → its InferenceDeployment's fetch list
+        self._claims: dict[str, Claim] = {}  # pod uid → what it names (resolved or pending)
+        self._pending: set[str] = set()  # pod uids whose spec could not be read yet
+        self._running: dict[str, asyncio.Task[None]] = {}  # digest → its download
+        # Per (digest, URL): the last failure, when to try that URL again, how many in a row.
+        self._failed: dict[tuple[str, str], FetchError] = {}
+        self._retry_at: dict[tuple[str, str], float] = {}
+        self._strikes: dict[tuple[str, str], int] = {}
         self._thread_stop = threading.Event()
+        # Redirects are followed (model hubs redirect to CDNs); httpx drops Authorization on
+        # a redirect to another origin, so origin credentials never follow one.
         self._http = httpx.Client(timeout=httpx.Timeout(30.0), follow_redirects=True)
 
-    def wanted(self) -> dict[str, Wanted]:
-        out: dict[str, Wanted] = {}
+    def wanted(self) -> dict[str, list[Wanted]]:
+        """Digest → every distinct (URL, Secret) the node's pods want it from, first seen first."""
+        out: dict[str, dict[tuple[str, str], Wanted]] = {}
         for fetch in self.pods.values():
             for f in fetch.files:
-                out.setdefault(f.sha256, Wanted(f, fetch.secret_ref))
-        return out
+                w = Wanted(f, fetch.secret_ref)
+                out.setdefault(f.sha256, {}).setdefault(w.key, w)
+        return {sha: list(by_key.values()) for sha, by_key in out.items()}
 
     def reconcile(self) -> None:
-        """Start a download for every wanted digest that is not held, running or failed."""
+        """Start a download for every wanted digest that is not held or running, from a URL
+        whose last failure (if any) is due for a retry; keep `failed/<digest>` in step."""
         wanted = self.wanted()
-        for sha in list(self._retry_at):
-            if sha not in wanted:  # nobody here wants it: forget the failure
-                del self._retry_at[sha]
+        keys = {w.key for sources in wanted.values() for w in sources}
+        for key in [k for k in self._failed if k not in keys]:  # nobody here wants it
+            self._forget(key)
+        for sha in self.cache.failed():
+            if sha not in wanted:
                 self.cache.clear_failure(sha)
         now = time.monotonic()
-        for sha, w in wanted.items():
-            if sha in self._running or self.cache.has(sha, w.file.size_bytes):
+        for sha, sources in wanted.items():
+            if sha in self._running or any(self.cache.has(sha, w.file.size_bytes) for w in sources):
                 continue
-            if sha in self._retry_at and now < self._retry_at[sha]:
-                continue
-            self._retry_at.pop(sha, None)
-            self.cache.clear_failure(sha)
-            self._running[sha] = asyncio.create_task(self._fetch(w), name=f"fetch-{sha[:12]}")
+            self._sync_record(sha, sources)
+            # URLs that never failed first, then failed ones whose retry is due.
+            due = sorted(
+                (w for w in sources if self._retry_at.get(w.key, 0.0) <= now),
+                key=lambda w: w.key in self._failed,
+            )
+            if due:
+                self._running[sha] = asyncio.create_task(
+                    self._fetch(due[0]), name=f"fetch-{sha[:12]}"
+                )
+
+    def _sync_record(self, sha: str, sources: list[Wanted]) -> None:
+        """`failed/<sha>` holds a failure only while every wanted URL for it has failed: one
+        tenant's wrong URL never fails another tenant's pod."""
+        failures = [self._failed[w.key] for w in sources if w.key in self._failed]
+        try:
+            if len(failures) < len(sources):
+                self.cache.clear_failure(sha)
+            elif self.cache.failure(sha) != failure_line(failures[-1]):
+                self.cache.record_failure(sha, failures[-1])
+        except OSError as err:  # e.g. failed/ not ours (the chart's init container fixes it)
+            log.error(
+                "%s: cannot keep the failure record in %s: %s", sha[:12], self.cache.failures, err
+            )
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        self._failed.pop(key, None)
+        self._retry_at.pop(key, None)
+        self._strikes.pop(key, None)
+
+    def _failed_for(self, w: Wanted, err: FetchError) -> None:
+        mismatch = err.reason in (reasons.CHECKSUM_MISMATCH, reasons.SIZE_MISMATCH)
+        strikes = self._strikes.get(w.key, 0) + 1
+        self._strikes[w.key] = strikes
+        wait = self.retry_seconds
+        if mismatch:
+            wait = min(self.mismatch_retry_seconds * 2 ** (strikes - 1), MAX_MISMATCH_RETRY_SECONDS)
+        self._failed[w.key] = err
+        self._retry_at[w.key] = time.monotonic() + wait
 
     async def _fetch(self, w: Wanted) -> None:
         sha = w.file.sha256
@@ -174,22 +281,23 @@ class Fetcher:
             else:
                 where = await self.site.obtain(want, lambda: self._from_origin(want))
                 self.site.published()
+            for key in [k for k in self._failed if k[0] == sha]:
+                self._forget(key)
+            self.cache.clear_failure(sha)
             if self.labels is not None:
                 self.labels.changed()
             log.info("cached %s from the %s in %.1fs", sha[:12], where, time.monotonic() - started)
         except FetchError as err:
-            log.warning("%s: %s: %s", sha[:12], err.reason, err)
-            self.cache.record_failure(sha, err)
-            mismatch = err.reason in (reasons.CHECKSUM_MISMATCH, reasons.SIZE_MISMATCH)
-            self._retry_at[sha] = (
-                float("inf") if mismatch else time.monotonic() + self.retry_seconds
-            )
+            log.warning("%s from %s: %s: %s", sha[:12], w.file.url, err.reason, err)
+            self._failed_for(w, err)
         except Busy:
-            self._retry_at[sha] = time.monotonic() + 5.0  # another agent process holds it
+            self._retry_at[w.key] = time.monotonic() + 5.0  # another agent process holds it
         except InterruptedError:
-            pass  # stopping; the partial stays for the next run
+            return  # stopping; the partial stays for the next run
         finally:
             self._running.pop(sha, None)
+        if not self._thread_stop.is_set():
+            self.reconcile()  # another URL for the digest, or the failure record
 
     async def _from_origin(self, want: Want) -> None:
         """Download from the origin, inside the download windows if there are any: wait for
@@ -252,13 +360,40 @@ class Fetcher:
         data = decode_secret_data(secret.get("data") or {})
         return auth_headers(w.secret_ref, data, w.file.url)
 
-    def _apply(self, event: dict[str, Any]) -> None:
+    async def _apply(self, event: dict[str, Any]) -> None:
         pod = event.get("object") or {}
         uid = (pod.get("metadata") or {}).get("uid")
         if uid is None:
             return
-        fetch = model_fetch(pod)
-        if event.get("type") == "DELETED" or fetch is None:
+        claim = claim_of(pod)
+        if event.get("type") == "DELETED" or claim is None:
+            self.pods.pop(uid, None)
+            self._claims.pop(uid, None)
+            self._pending.discard(uid)
+            return
+        if self._claims.get(uid) == claim and uid not in self._pending:
+            return  # read already; a pod's status changes do not cost a GET
+        self._claims[uid] = claim
+        await self._resolve(uid)
+
+    async def _resolve(self, uid: str) -> None:
+        claim = self._claims[uid]
+        same = next(
+            (u for u, c in self._claims.items() if c == claim and u != uid and u in self.pods),
+            None,
+        )
+        if same is not None:  # another pod of the same object and version: read already
+            self.pods[uid] = self.pods[same]
+            self._pending.discard(uid)
+            return
+        try:
+            fetch = await self.resolver.resolve(claim)
+        except API_ERRORS as err:
+            log.warning("reading %s/%s: %s; again later", claim.namespace, claim.name, err)
+            self._pending.add(uid)
+            return
+        self._pending.discard(uid)
+        if fetch is None:
             self.pods.pop(uid, None)
         else:
             self.pods[uid] = fetch
@@ -271,9 +406,9 @@ class Fetcher:
         while True:
             try:
                 listed = await self.reader.get("/api/v1/pods", params)
-                self.pods = {
-                    p["metadata"]["uid"]: f for p in listed["items"] if (f := model_fetch(p))
-                }
+                self.pods, self._claims, self._pending = {}, {}, set()
+                for pod in listed["items"]:
+                    await self._apply({"type": "ADDED", "object": pod})
                 self.reconcile()
                 version: str | None = listed["metadata"]["resourceVersion"]
                 while version is not None:
@@ -292,9 +427,16 @@ class Fetcher:
             version = ((event.get("object") or {}).get("metadata") or {}).get(
                 "resourceVersion", version
             )
-            self._apply(event)
+            await self._apply(event)
             self.reconcile()
         return version
+
+    async def tick(self) -> None:
+        """Read the specs that could not be read before, then start what is due."""
+        for uid in list(self._pending):
+            if uid in self._claims:
+                await self._resolve(uid)
+        self.reconcile()
 
     async def run(self) -> None:
         """Watch pods and retry failed downloads until cancelled."""
@@ -306,7 +448,7 @@ class Fetcher:
         try:
             while True:
                 await asyncio.sleep(min(self.retry_seconds, 10.0))
-                self.reconcile()
+                await self.tick()
         finally:
             watcher.cancel()
             self._thread_stop.set()  # downloads stop at their next chunk, partials kept

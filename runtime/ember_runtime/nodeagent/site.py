@@ -16,9 +16,12 @@ complete files it holds, comma-separated — a sha256 does not fit a label value
 are plenty to tell a site's models apart; the receiver verifies the full digest anyway).
 The agent watches the Nodes of its site and writes its own annotations on change only.
 
-A holder whose download fails a checksum or size check says so on the Lease
-(`ember.dev/failed`, with the URL), so the rest of the site records the same failure instead of
-waiting; a later spec with another URL for the digest takes the Lease over and tries again.
+A holder whose origin download fails a checksum or size check says so on the Lease
+(`ember.dev/failed`, with the URL), so the rest of the site records the same failure for that URL
+instead of waiting; another URL for the digest takes the Lease over and tries again, and so does
+the same URL once the failure is `failure_seconds` old. Only a file downloaded whole from the
+origin can fail so (`ContentCache.fetch`): bytes from a peer are discarded when their transfer
+fails, so a peer's bad bytes never become the spec's failure.
 
 Partition tolerance: with the API server unreachable (or refusing), an agent finishes the
 transfers it has started, tries the site peers it last knew (asking them directly, since their
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import logging
 import random
 import re
@@ -103,6 +107,7 @@ class SiteConfig:
     lease_seconds: int = 30
     origin_wait_seconds: float = 600.0
     site_label: str = SITE_LABEL
+    failure_seconds: float = 300.0  # a failure on a Lease stands this long, then is retried
 
 
 class SiteChanged(Exception):
@@ -165,7 +170,9 @@ class Leases:
             failed
             and annotations.get(FAILED_URL_ANNOTATION) == want.url
             and holder != self.cfg.node
+            and not self._expired(name, lease, self.cfg.failure_seconds)
         ):
+            # A failure expires (by this agent's clock, like a Lease): the URL may be fixed.
             return LeaseState(mine=False, holder=holder, failed=failed)
         if holder == self.cfg.node and not failed:
             return LeaseState(mine=True, holder=holder)  # ours from before a restart
@@ -199,9 +206,11 @@ class Leases:
             raise
         return LeaseState(mine=True, holder=self.cfg.node)
 
-    def _expired(self, name: str, lease: dict[str, Any]) -> bool:
+    def _expired(self, name: str, lease: dict[str, Any], duration: float | None = None) -> bool:
+        """Unchanged for `duration` (default: the Lease's own) since this agent first saw it."""
         version = str(lease["metadata"].get("resourceVersion"))
-        duration = float((lease.get("spec") or {}).get("leaseDurationSeconds") or 0)
+        if duration is None:
+            duration = float((lease.get("spec") or {}).get("leaseDurationSeconds") or 0)
         now = self._clock()
         seen = self._observed.get(name)
         if seen is None or seen[0] != version:
@@ -421,8 +430,18 @@ class SiteSharing:
             from_peer = Want(url, want.sha256, want.size_bytes, signer=self._sign)
             meter = self.metrics.meter(PEER).inc if self.metrics is not None else None
             try:
+                # keep_partial=False: a peer's bytes are not kept past a failed transfer, so
+                # the origin never resumes onto them (they would fail as the spec's fault).
                 await asyncio.to_thread(
-                    self.cache.fetch, self.http, from_peer, self.stop, attempts=2, meter=meter
+                    functools.partial(
+                        self.cache.fetch,
+                        self.http,
+                        from_peer,
+                        self.stop,
+                        attempts=2,
+                        meter=meter,
+                        keep_partial=False,
+                    )
                 )
             except (FetchError, httpx.HTTPError) as err:
                 # A peer that answered wrongly is the peer's fault, never the spec's: no
