@@ -45,7 +45,7 @@ from typing import Any
 from ember_operator import render, sizing
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
-from ember_runtime.config import REASON_NORMAL, ThermalReading, thermal_condition
+from ember_runtime.config import INSTANCE_LABEL, REASON_NORMAL, ThermalReading, thermal_condition
 from kubernetes import config
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
@@ -513,7 +513,7 @@ def _pct(values: list[float], q: float) -> float:
 def pods_by_owner(api: ApiClient, ns: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for pod in rest.items(api, "pods", ns, label_selector="app.kubernetes.io/name=ember"):
-        owner = pod["metadata"]["labels"].get(render.INSTANCE_LABEL)
+        owner = pod["metadata"]["labels"].get(INSTANCE_LABEL)
         if owner and not pod["metadata"].get("deletionTimestamp"):
             out[owner] = pod["metadata"]["name"]
     return out

@@ -32,7 +32,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from ember_operator import kopf_json, metrics, render, status
+from ember_operator import kopf_json, kubelet_events, metrics, render, status
 from ember_operator.api import GROUP, PLURAL, VERSION
 from ember_operator.apply import DIGEST_ANNOTATION, Applier, api_client, namespace_terminating
 from ember_operator.reconcile import (
@@ -495,5 +495,19 @@ async def pdb_event(**kwargs: Any) -> None:
     await _on_child_event("PodDisruptionBudget", kwargs)
 
 
-# Last: it registers the kubelet-Event handlers and uses `refresh` above.
-from ember_operator import kubelet_events  # noqa: E402, F401
+# ----------------------------------------------------------------------------- kubelet Events
+
+
+@kopf.on.startup()
+def watch_pod_warnings_only(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.watching.field_selectors[kubelet_events.EVENTS] = kubelet_events.FIELD_SELECTOR
+
+
+@kopf.on.event(*kubelet_events.EVENTS)
+def kubelet_event(**kwargs: Any) -> None:
+    """A kubelet warning about one of Ember's pods that says something new: the owner's status
+    is recomputed (and, on a new Degraded reason, one Event is posted)."""
+    ctx: Context = kwargs["memo"].ctx
+    key = kubelet_events.record(ctx, kwargs)
+    if key is not None:
+        refresh(ctx, key, kwargs, kubelet_events.log)

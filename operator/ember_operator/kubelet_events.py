@@ -1,14 +1,12 @@
-"""Kopf wiring for the kubelet's warning Events about Ember's pods.
+"""The kubelet's warning Events about Ember's pods: which ones matter, and whose they are.
 
 A pod whose volume cannot be mounted (a `hostPath` model directory missing on the node) waits
 in ContainerCreating forever: its status says nothing more, only an Event does. So the operator
-watches Events too, filtered by the API server to warnings about pods
-(`involvedObject.kind=Pod,type=Warning`: field selectors have no "in", so the reasons are
-picked here), keeps one small entry per stuck pod of an InferenceDeployment
-(`status_writer.PodEvents`, dropped when the pod starts or goes) and refreshes the owner's
-status, where it becomes `Degraded` with the kubelet's reason and message.
-
-Imported by `handlers` (which registers everything Kopf runs); uses its `refresh`.
+watches Events too, filtered by the API server to warnings about pods (`FIELD_SELECTOR`: field
+selectors have no "in", so the reasons are picked here), keeps one small entry per stuck pod of
+an InferenceDeployment (`status_writer.PodEvents`, dropped when the pod starts or goes) and
+refreshes the owner's status, where it becomes `Degraded` with the kubelet's reason and
+message. The Kopf handlers are in `handlers` (wiring only); nothing here imports them.
 """
 
 from __future__ import annotations
@@ -17,11 +15,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import kopf
 from ember_runtime import reasons
 
 from ember_operator import status
-from ember_operator.handlers import refresh
 from ember_operator.reconcile import Context, pods_of
 
 EVENTS = ("v1", "events")
@@ -63,24 +59,18 @@ def _ours(indexes: Mapping[str, Any], key: tuple[str, str], pod: str) -> bool:
     return any(p.get("pod") == pod for p in pods_of(indexes, key))
 
 
-@kopf.on.startup()
-def watch_pod_warnings_only(settings: kopf.OperatorSettings, **_: Any) -> None:
-    settings.watching.field_selectors[EVENTS] = FIELD_SELECTOR
-
-
-@kopf.on.event(*EVENTS)
-def kubelet_event(**kwargs: Any) -> None:
-    """A kubelet warning about a pod: if it is one of Ember's and says something new, the
-    owner's status is recomputed (and, on a new Degraded reason, one Event is posted)."""
+def record(ctx: Context, kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
+    """A kubelet warning about a pod: the owner whose status must be recomputed when it is
+    one of Ember's and says something new (recorded for the status writer), else None."""
     if kwargs["event"].get("type") == "DELETED":  # expired (1 h TTL): says nothing of now
-        return
+        return None
     found = pod_warning(kwargs["body"])
     if found is None:
-        return
+        return None
     namespace, pod, failure, at = found
     owner = owner_of(pod)
     if owner is None or not _ours(kwargs, (namespace, owner), pod):
-        return
-    ctx: Context = kwargs["memo"].ctx
-    if ctx.writer.kubelet.record((namespace, owner), pod, failure, at):
-        refresh(ctx, (namespace, owner), kwargs, log)
+        return None
+    if not ctx.writer.kubelet.record((namespace, owner), pod, failure, at):
+        return None
+    return namespace, owner

@@ -57,10 +57,6 @@ def parse(value: str | int | float) -> Fraction:
     return number * Fraction(10) ** exponent
 
 
-def is_quantity(value: object) -> bool:
-    return isinstance(value, str) and _RE.match(value) is not None
-
-
 def same(a: object, b: object) -> bool:
     """Equal as quantities when both parse, else plain equality."""
     if a == b:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ember_runtime.config import INSTANCE_LABEL
 from kubernetes.client import ApiClient
 from pydantic import ValidationError
 
@@ -100,7 +101,7 @@ class Context:
 
 
 def key_of(namespace: str | None, labels: Mapping[str, str]) -> tuple[str, str] | None:
-    owner = labels.get(render.INSTANCE_LABEL)
+    owner = labels.get(INSTANCE_LABEL)
     return (str(namespace), owner) if owner else None
 
 

@@ -416,7 +416,7 @@ def pod_annotations(spec: InferenceDeploymentSpec, config_hash: str) -> dict[str
     node agent reads what to fetch from this object's spec, never from the pod (a pod author
     could write anything there); the digest tells it to look, and rolls the pods when a URL
     changes."""
-    out = {"ember.dev/config-hash": config_hash}
+    out = {CONFIG_HASH_ANNOTATION: config_hash}
     fetch = fetch_from_spec(spec.model.model_dump(by_alias=True, mode="json", exclude_none=True))
     if fetch is not None:
         out[FETCH_HASH_ANNOTATION] = fetch.digest()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from ember_runtime import memory, reasons
 from ember_runtime.config import RuntimeConfig
+from ember_runtime.server.preflight import preflight
 
 MIB = 2**20
 
@@ -63,9 +64,9 @@ def test_prewarmed_weights_are_not_charged_to_the_container(
     need = memory.engine_memory(memory.read_gguf_shape(model_path), context=2048, sequences=16)
     just_enough = fake_cgroup(tmp_path / "cg", str(need.total))
     with pytest.raises(memory.MemoryLimitError):  # the mapped file's page cache counts
-        memory.preflight(config, model_path, just_enough)
+        preflight(config, model_path, just_enough)
     prewarmed = config.model_copy(update={"prewarm_dir": str(model_path.parent)})
-    assert memory.preflight(prewarmed, model_path, just_enough) == need
+    assert preflight(prewarmed, model_path, just_enough) == need
 
 
 def test_runtime_refuses_to_start_under_a_small_limit(model_path: Path, tmp_path: Path) -> None:
@@ -125,6 +126,6 @@ def test_offloaded_kv_cache_is_not_charged_to_the_container(
     limit = fake_cgroup(tmp_path / "cg", str(gpu_need.total))
     config = RuntimeConfig(model_name="m", model_dir=str(model_path.parent))
     with pytest.raises(memory.MemoryLimitError):
-        memory.preflight(config, model_path, limit)
+        preflight(config, model_path, limit)
     on_gpu = config.model_copy(update={"accelerator": "nvidia-gpu"})
-    assert memory.preflight(on_gpu, model_path, limit) == gpu_need
+    assert preflight(on_gpu, model_path, limit) == gpu_need

@@ -115,12 +115,8 @@ class HotNodes:
             state.critical_pods.discard(replica)
             self._update(replica.node, state)
 
-    def observe_node(self, node: str, reason: str | None) -> None:
-        """The node agent's report: Critical, Throttled (warm), Normal (cool) or None."""
-        with self.lock:
-            self._observe_node(node, reason)
-
     def _observe_node(self, node: str, reason: str | None) -> None:
+        """The node agent's report: Critical, Throttled (warm), Normal (cool) or None."""
         state = self.nodes.setdefault(node, NodeState())
         state.node_critical = reason == "Critical"
         self._update(node, state)

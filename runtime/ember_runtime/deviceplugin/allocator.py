@@ -335,10 +335,6 @@ class ContextAllocator:
         with self._lock:
             self._checkpoint.close()
 
-    @property
-    def id_range(self) -> range:
-        return range(self._base, self._base + self._id_space)
-
     def live(self) -> list[Allocation]:
         with self._lock:
             return list(self._state.allocations)

@@ -25,8 +25,9 @@ import uvicorn
 from ember_runtime import reasons
 from ember_runtime.engines.base import EngineUnavailableError
 from ember_runtime.heap import freeze_startup_heap
-from ember_runtime.memory import MemoryLimitError, preflight
+from ember_runtime.memory import MemoryLimitError
 from ember_runtime.server.app import create_app
+from ember_runtime.server.preflight import preflight
 from ember_runtime.server.settings import load_settings, resolve_model_path
 from ember_runtime.server.state import AppState
 

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ember_runtime.thermal.governor import DEFAULT_OVERRIDE_SECONDS, MAX_OVERRIDE_SECONDS
+
 MAX_STOP_STRINGS = 4
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bounds
 MAX_TOP_LOGPROBS = 20
@@ -182,8 +184,8 @@ class BatchSizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     max_batch_size: Annotated[int, Field(ge=1, alias="maxBatchSize")]
     expires_in_seconds: Annotated[
-        float, Field(gt=0, le=86_400, alias="expiresInSeconds", strict=False)
-    ] = 600.0
+        float, Field(gt=0, le=MAX_OVERRIDE_SECONDS, alias="expiresInSeconds", strict=False)
+    ] = DEFAULT_OVERRIDE_SECONDS
 
 
 # --- responses ------------------------------------------------------------------------------
