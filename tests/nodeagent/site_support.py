@@ -27,6 +27,7 @@ from typing import Any
 
 from ember_runtime.config import MODEL_FETCH_ANNOTATION
 from ember_runtime.nodeagent.cache import ContentCache
+from ember_runtime.nodeagent.site import SHORT, lease_name
 from kubernetes import client
 
 from tests.conftest import Kube
@@ -34,6 +35,10 @@ from tests.thermal.kube_support import chart_objects, kubectl_apply, token_dir
 
 AGENT_SA = "ember-nodeagent"
 PEER_SECRET = "ember-nodeagent-peer"
+POLICY = "validatingadmissionpolicy"
+LEASE_POLICY = "ember-nodeagent-own-leases"  # holds the node -> site map
+# The chart's siteSharing.siteLabel: what the agents read their site from.
+TRUSTED_SITE_LABEL = "node-restriction.kubernetes.io/ember-site"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -42,7 +47,14 @@ def site_node(name: str, site: str, ip: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": name, "labels": {"ember.dev/site": site, "type": "site-test"}},
+        "metadata": {
+            "name": name,
+            "labels": {
+                "ember.dev/site": site,
+                TRUSTED_SITE_LABEL: site,
+                "type": "site-test",
+            },
+        },
         "status": {"addresses": [{"type": "InternalIP", "address": ip}]},
     }
 
@@ -99,13 +111,34 @@ class SiteWorld:
         secret: Any = self.kube.core.read_namespaced_secret(PEER_SECRET, self.namespace)
         (self.tmp / "peer.key").write_bytes(base64.b64decode(secret.data["key"]))
 
-    def add_nodes(self, ips: Sequence[str]) -> list[str]:
-        for i, ip in enumerate(ips):
+    def add_nodes(
+        self, ips: Sequence[str], site: str | None = None, *, map_sites: bool = True
+    ) -> list[str]:
+        """Nodes of `site` (default: the world's), entered in the Lease policy's map as the
+        chart (at install) or an operator (later) would; returns every node so far."""
+        site = site or self.site
+        start = len(self.nodes)
+        for i, ip in enumerate(ips, start):
             name = f"{self.site}-n{i}"
-            body: Any = site_node(name, self.site, ip)
+            body: Any = site_node(name, site, ip)
             self.kube.core.create_node(body)
             self.nodes.append(name)
+        if map_sites:
+            self.map_sites({n: site for n in self.nodes[start:]})
         return list(self.nodes)
+
+    def map_sites(self, sites: dict[str, str]) -> None:
+        """Add node -> site to the Lease policy's map, as a chart upgrade (or an operator)
+        would write it: the site as Lease names spell it."""
+        path = self.tmp / "own-leases.json"
+        policy = json.loads(self.kube.kubectl("get", POLICY, LEASE_POLICY, "-o", "json"))
+        (var,) = [v for v in policy["spec"]["variables"] if v["name"] == "sites"]
+        known = json.loads(var["expression"])
+        for node, site in sites.items():
+            known[node] = lease_name(site, "0" * 64)[len("ember-fetch-") : -(SHORT + 1)]
+        var["expression"] = json.dumps(known)
+        path.write_text(json.dumps(policy))
+        self.kube.kubectl("replace", "-f", str(path))
 
     def want(self, files: Sequence[dict[str, Any]] | None) -> None:
         """One pod per node wanting `files` (what the agents fetch; None: nothing yet)."""
@@ -166,6 +199,7 @@ class SiteWorld:
                 f"--cache_root={cache.root}",
                 f"--namespace={self.namespace}",
                 f"--sysfs_root={self.tmp / 'sys'}",
+                f"--site_label={TRUSTED_SITE_LABEL}",
                 "--interval_seconds=60",
                 *(
                     [

@@ -266,9 +266,10 @@ def test_agent_writes_only_its_own_annotations_and_leases(world: SiteWorld, kube
             headers=MERGE,
         )
         assert taint.status_code == 403
-        assert http.post(leases, json=lease("ember-fetch-x-1", own)).status_code == 201
-        foreign = http.post(leases, json=lease("ember-fetch-x-2", other))
+        first, second = lease_name(world.site, SHA), lease_name(world.site, "0" * 64)
+        assert http.post(leases, json=lease(first, own)).status_code == 201
+        foreign = http.post(leases, json=lease(second, other))
         assert foreign.status_code == 403 and "own node" in foreign.text
         assert http.post(leases, json=lease("other-lease", own)).status_code == 403
         assert http.get(leases).status_code == 403  # get by name only: no list
-        assert http.delete(f"{leases}/ember-fetch-x-1").status_code == 403
+        assert http.delete(f"{leases}/{first}").status_code == 403

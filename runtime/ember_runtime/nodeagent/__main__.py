@@ -28,7 +28,7 @@ from ember_runtime.nodeagent.metrics import AgentMetrics
 from ember_runtime.nodeagent.peerauth import PeerKey
 from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.ratelimit import TokenBucket
-from ember_runtime.nodeagent.site import SiteConfig, SiteSharing
+from ember_runtime.nodeagent.site import SITE_LABEL, SiteConfig, SiteSharing
 from ember_runtime.nodeagent.windows import Windows
 from ember_runtime.sensors import build_source
 from ember_runtime.sensors.base import TemperatureSource
@@ -74,6 +74,11 @@ class AgentSettings(BaseSettings):
         default=None, description="host:port to advertise (default: the Node's InternalIP)."
     )
     peer_max_skew_seconds: float = Field(default=300.0, gt=0)
+    site_label: str = Field(
+        default=SITE_LABEL,
+        description="The node label naming its site (the chart: one under "
+        "node-restriction.kubernetes.io/, which a kubelet cannot set on itself).",
+    )
     lease_seconds: int = Field(default=30, ge=3, description="A site fetch Lease's duration.")
     origin_wait_seconds: float = Field(
         default=600.0,
@@ -238,6 +243,7 @@ def start_site_sharing(
         peer_address=settings.peer_address,
         lease_seconds=settings.lease_seconds,
         origin_wait_seconds=settings.origin_wait_seconds,
+        site_label=settings.site_label,
     )
     # Peers are on the LAN: a short connect timeout moves on to the next one quickly.
     http = httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0))
