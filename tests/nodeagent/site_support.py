@@ -1,7 +1,7 @@
 """A site of node agents on the real API server, for the site-sharing test and benchmark.
 
-`SiteWorld` applies the chart's node-agent objects (RBAC, the three admission policies, the
-peer key Secret) into a namespace, creates plain Node objects labelled `ember.dev/site` with
+`SiteWorld` applies the chart's node-agent objects (RBAC, the admission policies) into a
+namespace, creates plain Node objects labelled `ember.dev/site` with
 the InternalIP each agent serves on, one pod per node carrying the `ember.dev/model-fetch`
 annotation (what the agent fetches, and the object its token is bound to, so the token's
 `authentication.kubernetes.io/node-name` is that node), and starts the real agent
@@ -12,7 +12,6 @@ API server with their own bound tokens, through the chart's policies.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
@@ -34,7 +33,6 @@ from tests.conftest import Kube
 from tests.thermal.kube_support import chart_objects, kubectl_apply, token_dir
 
 AGENT_SA = "ember-nodeagent"
-PEER_SECRET = "ember-nodeagent-peer"
 POLICY = "validatingadmissionpolicy"
 LEASE_POLICY = "ember-nodeagent-own-leases"  # holds the node -> site map
 # The chart's siteSharing.siteLabel: what the agents read their site from.
@@ -108,8 +106,6 @@ class SiteWorld:
             if o["kind"] != "DaemonSet"
         ]
         kubectl_apply(self.kube, self._objects, self.tmp)
-        secret: Any = self.kube.core.read_namespaced_secret(PEER_SECRET, self.namespace)
-        (self.tmp / "peer.key").write_bytes(base64.b64decode(secret.data["key"]))
 
     def add_nodes(
         self, ips: Sequence[str], site: str | None = None, *, map_sites: bool = True
@@ -203,7 +199,7 @@ class SiteWorld:
                 "--interval_seconds=60",
                 *(
                     [
-                        f"--peer_key_file={self.tmp / 'peer.key'}",
+                        "--site_sharing=true",
                         f"--peer_bind={peer_bind}",
                         f"--peer_port={peer_port}",
                     ]

@@ -73,13 +73,12 @@ def test_an_agent_of_one_site_cannot_take_or_fail_another_sites_lease(
         # Site B's agent starts its download under B's Lease (once the policy with the map
         # naming every node has loaded: until then it is refused).
         _wait_for_policy(agent_b0, leases, b0)
-        created = None
         for _ in range(60):
             created = agent_b0.post(leases, json=_lease(theirs, b0))
             if created.status_code == 201:
                 break
             time.sleep(0.5)
-        assert created is not None and created.status_code == 201, created.text
+        assert created.status_code == 201, created.text
         held = agent_a0.get(f"{leases}/{theirs}").json()
 
         # A's agent takes it over (as if expired), or marks it failed: both refused.

@@ -11,9 +11,11 @@ Nodes of a site carry the label `ember.dev/site`. For a file its node needs, an 
    leader election does, so the nodes' clocks need not agree) is taken over.
 
 Discovery goes through each agent's own Node object: annotations `ember.dev/peer`
-(`<InternalIP>:<peer_port>`) and `ember.dev/cache` (the short digests, 16 hex characters, of the
-complete files it holds, comma-separated — a sha256 does not fit a label value, and 64 bits
-are plenty to tell a site's models apart; the receiver verifies the full digest anyway).
+(`<InternalIP>:<peer_port>`), `ember.dev/peer-key` (its public key, peerauth) and
+`ember.dev/cache` (the short digests, 16 hex characters, of the complete files it holds,
+comma-separated — a sha256 does not fit a label value, and 64 bits are plenty to tell a site's
+models apart; the receiver verifies the full digest anyway). The Nodes listed by the site
+label are the only peers whose keys this agent accepts, asking or answering.
 The agent watches the Nodes of its site and writes its own annotations on change only.
 
 A holder whose download fails a checksum or size check says so on the Lease
@@ -43,7 +45,7 @@ import httpx
 
 from ember_runtime import reasons
 from ember_runtime.nodeagent import peerauth
-from ember_runtime.nodeagent.cache import ContentCache, FetchError, Want
+from ember_runtime.nodeagent.cache import Checker, ContentCache, FetchError, Signer, Want
 from ember_runtime.nodeagent.metrics import PEER, AgentMetrics
 from ember_runtime.thermal.kube import ApiError
 
@@ -113,6 +115,7 @@ class SiteChanged(Exception):
 class Peer:
     address: str
     holds: frozenset[str] = frozenset()
+    key: str | None = None  # its public key (peerauth); None: not trusted, not asked
 
 
 @dataclass
@@ -247,7 +250,7 @@ def peer_of(node: dict[str, Any]) -> Peer | None:
     if not address:
         return None
     held = frozenset(s for s in annotations.get(CACHE_ANNOTATION, "").split(",") if s)
-    return Peer(address, held)
+    return Peer(address, held, annotations.get(peerauth.KEY_ANNOTATION) or None)
 
 
 @dataclass
@@ -269,12 +272,12 @@ class SiteSharing:
         api: Api,
         cfg: SiteConfig,
         *,
-        key: peerauth.PeerKey,
+        me: peerauth.Identity,
         http: httpx.Client,
         stop: threading.Event,
         metrics: AgentMetrics | None = None,
     ) -> None:
-        self.cache, self.api, self.cfg, self.key, self.http = cache, api, cfg, key, http
+        self.cache, self.api, self.cfg, self.me, self.http = cache, api, cfg, me, http
         self.stop = stop
         self.metrics = metrics
         self.leases = Leases(api, cfg)
@@ -366,7 +369,11 @@ class SiteSharing:
         if not self.view.resolved or self.view.address is None or self.view.site is None:
             return None
         held = ",".join(short(sha) for sha in self.cache.held())
-        return {PEER_ANNOTATION: self.view.address, CACHE_ANNOTATION: held}
+        return {
+            PEER_ANNOTATION: self.view.address,
+            peerauth.KEY_ANNOTATION: self.me.public,
+            CACHE_ANNOTATION: held,
+        }
 
     async def publish_forever(self, resync_seconds: float = 60.0) -> None:
         """Write our Node's annotations on change (newest wins), retrying while the API is
@@ -405,20 +412,29 @@ class SiteSharing:
 
     # --- getting one file ----------------------------------------------------------------
 
-    def _candidates(self, sha256: str, any_peer: bool) -> list[str]:
+    def peer_key(self, node: str) -> str | None:
+        """The key of `node` if it is a peer of our site (as last seen: also while the API
+        server is away); the peer port serves only these."""
+        peer = self.view.peers.get(node)
+        return peer.key if peer is not None else None
+
+    def _candidates(self, sha256: str, any_peer: bool) -> list[tuple[str, str]]:
         now = time.monotonic()
         found = [
-            p.address
-            for p in self.view.peers.values()
-            if (any_peer or short(sha256) in p.holds) and self._bad_until.get(p.address, 0) <= now
+            (node, p.address)
+            for node, p in self.view.peers.items()
+            if p.key is not None
+            and (any_peer or short(sha256) in p.holds)
+            and self._bad_until.get(p.address, 0) <= now
         ]
         random.shuffle(found)  # spread a wave of waiters over the peers that hold it
         return found
 
     async def _from_peers(self, want: Want, any_peer: bool = False) -> bool:
-        for address in self._candidates(want.sha256, any_peer):
+        for node, address in self._candidates(want.sha256, any_peer):
             url = f"http://{address}/sha256/{want.sha256}"
-            from_peer = Want(url, want.sha256, want.size_bytes, signer=self._sign)
+            signer, checker = self._authenticator(node)
+            from_peer = Want(url, want.sha256, want.size_bytes, signer=signer, checker=checker)
             meter = self.metrics.meter(PEER).inc if self.metrics is not None else None
             try:
                 await asyncio.to_thread(
@@ -427,9 +443,10 @@ class SiteSharing:
             except (FetchError, httpx.HTTPError) as err:
                 # A peer that answered wrongly is the peer's fault, never the spec's: no
                 # failure is recorded, the next peer (or the origin) is tried. A 404 only
-                # says it does not hold the file yet (asked directly while partitioned):
-                # ask again next round rather than shunning it.
-                if isinstance(err, FetchError) and err.status == 404:
+                # says it does not hold the file yet (asked directly while partitioned), a
+                # 403 that it has not seen our key yet (we restarted a moment ago): ask
+                # again next round rather than shunning it.
+                if isinstance(err, FetchError) and err.status in (403, 404):
                     log.debug("peer %s does not hold %s yet", address, short(want.sha256))
                     continue
                 level = logging.DEBUG if any_peer else logging.WARNING
@@ -443,8 +460,21 @@ class SiteSharing:
             return True
         return False
 
-    def _sign(self, method: str, path: str) -> dict[str, str]:
-        return peerauth.sign(self.key.get(), method, path)
+    def _authenticator(self, node: str) -> tuple[Signer, Checker]:
+        """Sign requests to `node` and accept only its signed answers to them."""
+
+        def sign(method: str, path: str, headers: dict[str, str]) -> dict[str, str]:
+            range_ = headers.get("Range", "")
+            return peerauth.sign_request(self.me, method, path, node, range_=range_)
+
+        def check(resp: httpx.Response, request: dict[str, str]) -> str | None:
+            path = resp.request.url.path
+            key = self.peer_key(node)
+            return peerauth.verify_response(
+                key, node, resp.status_code, path, request=request, headers=resp.headers
+            )
+
+        return sign, check
 
     async def _wait_change(self, timeout: float) -> None:
         with suppress(TimeoutError):
