@@ -94,8 +94,9 @@ class AgentSettings(BaseSettings):
     origin_max_bytes_per_second: float | None = Field(
         default=None,
         gt=0,
-        description="maxBandwidth for origin traffic (one origin download per site at a "
-        "time, so this is the site's WAN share too). None: unlimited.",
+        description="maxBandwidth for this agent's origin traffic (all its origin downloads "
+        "together). Not a site limit: nodes fetching different files each get this much. "
+        "None: unlimited.",
     )
 
     metrics_port: int | None = Field(
