@@ -26,7 +26,7 @@ from typing import Any
 
 from ember_runtime.config import MODEL_FETCH_ANNOTATION
 from ember_runtime.nodeagent.cache import ContentCache
-from ember_runtime.nodeagent.site import SHORT, lease_name
+from ember_runtime.nodeagent.site import ORIGIN_SLOT, SHORT, lease_name
 from kubernetes import client
 
 from tests.conftest import Kube
@@ -245,7 +245,12 @@ class SiteWorld:
 
     def leases(self) -> list[Any]:
         listed: Any = client.CoordinationV1Api(self.kube.api).list_namespaced_lease(self.namespace)
-        return [i for i in listed.items if i.metadata.name.startswith("ember-fetch-")]
+        slot = lease_name(self.site, ORIGIN_SLOT)  # the site's origin slot is not a file's
+        return [
+            i
+            for i in listed.items
+            if i.metadata.name.startswith("ember-fetch-") and i.metadata.name != slot
+        ]
 
     def close(self) -> None:
         self.stop_agents()

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from ember_runtime.config import cache_label
+from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.site import CACHE_ANNOTATION, PEER_ANNOTATION, lease_name, short
 
 from tests.conftest import Kube
@@ -244,6 +245,10 @@ def test_agent_writes_only_its_own_annotations_and_leases(world: SiteWorld, kube
         assert annotate(own, PEER_ANNOTATION).status_code == 200
         refused = annotate(other, PEER_ANNOTATION)
         assert refused.status_code == 403 and "own node" in refused.text
+        # Its peer key only on its own Node: no agent publishes a key in another node's name.
+        assert annotate(own, peerauth.KEY_ANNOTATION).status_code == 200
+        forged = annotate(other, peerauth.KEY_ANNOTATION)
+        assert forged.status_code == 403 and "own node" in forged.text
 
         def label(node: str, labels: dict[str, str | None]) -> httpx.Response:
             body = json.dumps({"metadata": {"labels": labels}})

@@ -94,9 +94,10 @@ class AgentSettings(BaseSettings):
     origin_max_bytes_per_second: float | None = Field(
         default=None,
         gt=0,
-        description="maxBandwidth for this agent's origin traffic (all its origin downloads "
-        "together). Not a site limit: nodes fetching different files each get this much. "
-        "None: unlimited.",
+        description="maxBandwidth: origin traffic in bytes/s. Each agent paces its own "
+        "origin downloads to it; with site sharing the site also downloads one file from the "
+        "origin at a time (the site's origin slot), so it is the site's WAN use. None: "
+        "unlimited, and no origin slot.",
     )
 
     metrics_port: int | None = Field(
@@ -249,6 +250,8 @@ def start_site_sharing(
         lease_seconds=settings.lease_seconds,
         origin_wait_seconds=settings.origin_wait_seconds,
         site_label=settings.site_label,
+        # maxBandwidth is the site's: one origin download per site at a time, at that rate.
+        origin_slot=settings.origin_max_bytes_per_second is not None,
     )
     # Peers are on the LAN: a short connect timeout moves on to the next one quickly.
     http = httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0))

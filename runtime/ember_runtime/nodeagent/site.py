@@ -18,6 +18,11 @@ models apart; the receiver verifies the full digest anyway). The Nodes listed by
 label are the only peers whose keys this agent accepts, asking or answering.
 The agent watches the Nodes of its site and writes its own annotations on change only.
 
+With maxBandwidth set (`origin_slot`), the holder of a file's Lease also waits for the site's
+origin slot, the Lease `ember-fetch-<site>-0000000000000000` (held, renewed and taken over the
+same way, and released when its download ends): a site downloads one file from the origin at a
+time, so maxBandwidth is the site's WAN rate, not each node's.
+
 A holder whose download fails a checksum or size check says so on the Lease
 (`ember.dev/failed`, with the URL), so the rest of the site records the same failure instead of
 waiting; a later spec with another URL for the digest takes the Lease over and tries again.
@@ -56,6 +61,10 @@ PEER_ANNOTATION = "ember.dev/peer"
 CACHE_ANNOTATION = "ember.dev/cache"
 FAILED_ANNOTATION = "ember.dev/failed"
 FAILED_URL_ANNOTATION = "ember.dev/failed-url"
+RELEASED_ANNOTATION = "ember.dev/released"  # the holder is done: free to take at once
+# The site's origin slot (maxBandwidth per site): a fetch Lease named for the all-zero digest,
+# which no file has, so it fits the Lease policy's ember-fetch-<site>-<16 hex> like the rest.
+ORIGIN_SLOT = "0" * 64
 SHA_ANNOTATION = "ember.dev/sha256"
 SHORT = 16
 MERGE_PATCH = "application/merge-patch+json"
@@ -105,6 +114,9 @@ class SiteConfig:
     lease_seconds: int = 30
     origin_wait_seconds: float = 600.0
     site_label: str = SITE_LABEL
+    # One origin download per site at a time (any file), under the site's origin slot: set
+    # with maxBandwidth, which then limits the site's WAN use, not each node's.
+    origin_slot: bool = False
 
 
 class SiteChanged(Exception):
@@ -151,6 +163,7 @@ class Leases:
         annotations = lease["metadata"].setdefault("annotations", {})
         annotations.pop(FAILED_ANNOTATION, None)
         annotations.pop(FAILED_URL_ANNOTATION, None)
+        annotations.pop(RELEASED_ANNOTATION, None)
         return lease
 
     async def acquire(self, name: str, site: str, want: Want) -> LeaseState:
@@ -164,15 +177,16 @@ class Leases:
         holder = spec.get("holderIdentity") or None
         annotations = lease["metadata"].get("annotations") or {}
         failed = annotations.get(FAILED_ANNOTATION)
+        released = annotations.get(RELEASED_ANNOTATION) == "true"
         if (
             failed
             and annotations.get(FAILED_URL_ANNOTATION) == want.url
             and holder != self.cfg.node
         ):
             return LeaseState(mine=False, holder=holder, failed=failed)
-        if holder == self.cfg.node and not failed:
+        if holder == self.cfg.node and not failed and not released:
             return LeaseState(mine=True, holder=holder)  # ours from before a restart
-        if holder and not failed and not self._expired(name, lease):
+        if holder and not failed and not released and not self._expired(name, lease):
             return LeaseState(mine=False, holder=holder)
         log.info("taking over Lease %s from %s", name, holder or "nobody")
         body = self._claim(lease, int(spec.get("leaseTransitions") or 0) + 1)
@@ -220,6 +234,14 @@ class Leases:
         lease["spec"]["renewTime"] = micro_time()
         await self.api.send("PUT", self._path(name), lease)
         return True
+
+    async def release(self, name: str) -> None:
+        """Say we are done with our Lease, so the next node need not wait for it to expire."""
+        lease = await self.api.get(self._path(name))
+        if (lease.get("spec") or {}).get("holderIdentity") != self.cfg.node:
+            return
+        lease["metadata"].setdefault("annotations", {})[RELEASED_ANNOTATION] = "true"
+        await self.api.send("PUT", self._path(name), lease)
 
     async def mark_failed(self, name: str, url: str, line: str) -> None:
         lease = await self.api.get(self._path(name))
@@ -531,7 +553,10 @@ class SiteSharing:
         log.info("holding Lease %s: fetching %s from the origin", name, short(want.sha256))
         renewer = asyncio.create_task(self._renew_forever(name))
         try:
-            await origin()
+            if self.cfg.origin_slot:
+                await self._in_origin_slot(origin)
+            else:
+                await origin()
             self.origin_fetches += 1
         except FetchError as err:
             if err.reason in (reasons.CHECKSUM_MISMATCH, reasons.SIZE_MISMATCH):
@@ -544,6 +569,47 @@ class SiteSharing:
         finally:
             renewer.cancel()
             await asyncio.gather(renewer, return_exceptions=True)
+
+    async def _in_origin_slot(self, origin: Origin) -> None:
+        """Run `origin` while holding the site's origin slot, so the site downloads one file
+        from the origin at a time and maxBandwidth is the site's WAN use. Without the API
+        server for origin_wait_seconds it goes ahead without the slot, as obtain() does."""
+        slot = lease_name(self.view.site or "", ORIGIN_SLOT)
+        held = await self._wait_origin_slot(slot)
+        renewer = asyncio.create_task(self._renew_forever(slot)) if held else None
+        try:
+            await origin()
+        finally:
+            if renewer is not None:
+                renewer.cancel()
+                await asyncio.gather(renewer, return_exceptions=True)
+                try:
+                    await self.leases.release(slot)
+                except API_ERRORS as err:
+                    log.warning("releasing the origin slot %s: %s", slot, err)
+
+    async def _wait_origin_slot(self, slot: str) -> bool:
+        """True once we hold the slot; False when coordination is away too long."""
+        poll = max(1.0, self.cfg.lease_seconds / 3)
+        down_since: float | None = None
+        nobody = Want("", ORIGIN_SLOT, 0)
+        while True:
+            if self.stop.is_set():
+                raise InterruptedError(slot)
+            try:
+                state = await self.leases.acquire(slot, self.view.site or "", nobody)
+                down_since = None
+            except API_ERRORS as err:
+                now = time.monotonic()
+                down_since = down_since if down_since is not None else now
+                if now - down_since >= self.cfg.origin_wait_seconds:
+                    log.warning("origin slot %s: no coordination (%s); going ahead", slot, err)
+                    return False
+                state = LeaseState(mine=False)
+            if state.mine:
+                return True
+            log.debug("origin slot %s held by %s; waiting", slot, state.holder)
+            await asyncio.sleep(poll)
 
     async def _renew_forever(self, name: str) -> None:
         every = max(1.0, self.cfg.lease_seconds / 3)
