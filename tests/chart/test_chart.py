@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 from pathlib import Path
@@ -392,10 +391,11 @@ def test_node_agent_metrics_port(helm: str) -> None:
     assert "EMBER_NODEAGENT_METRICS_PORT" not in {e["name"] for e in off["env"]}
 
 
-def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
-    """On by default: the agent on the host network with its peer port, the key Secret the
-    chart made mounted read-only, the site settings and maxBandwidth as its environment; off,
-    none of it (no hostNetwork, no Lease Role, no site Nodes: only its own cache labels)."""
+def test_site_sharing_renders_peer_port_and_limits(helm: str) -> None:
+    """On by default: the agent on the host network with its peer port, the site settings and
+    maxBandwidth as its environment, and no shared peer key anywhere (each agent makes its
+    own); off, none of it (no hostNetwork, no Lease Role, no site Nodes: only its own cache
+    labels)."""
     docs = render(
         helm,
         "--set",
@@ -412,24 +412,24 @@ def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
         {"name": "metrics", "containerPort": 9403, "protocol": "TCP"},
     ]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["EMBER_NODEAGENT_PEER_KEY_FILE"] == "/var/run/ember/peer/key"
+    assert env["EMBER_NODEAGENT_SITE_SHARING"] == "true"
+    assert env["EMBER_NODEAGENT_SITE_LABEL"] == "node-restriction.kubernetes.io/ember-site"
     assert env["EMBER_NODEAGENT_PEER_PORT"] == "7431"
     assert env["EMBER_NODEAGENT_ORIGIN_WAIT_SECONDS"] == "600"
     assert env["EMBER_NODEAGENT_ORIGIN_MAX_BYTES_PER_SECOND"] == "2500000"
     assert json.loads(env["EMBER_NODEAGENT_ORIGIN_WINDOWS"]) == ["22:00-06:00"]
-    (secret,) = by_kind(docs, "Secret")
-    assert secret["metadata"]["name"] == "ember-nodeagent-peer"
-    assert len(base64.b64decode(secret["data"]["key"])) >= 32
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["peer-key"]["secret"]["secretName"] == "ember-nodeagent-peer"
-    mounts = {m["name"]: m for m in container["volumeMounts"]}
-    assert mounts["peer-key"]["readOnly"] is True
-
-    own = render(helm, "--set", "nodeAgent.siteSharing.existingSecret=fleet-key")
-    assert by_kind(own, "Secret") == []
-    (agent,) = [d for d in by_kind(own, "DaemonSet") if "nodeagent" in d["metadata"]["name"]]
-    volumes = {v["name"]: v for v in agent["spec"]["template"]["spec"]["volumes"]}
-    assert volumes["peer-key"]["secret"]["secretName"] == "fleet-key"
+    assert "EMBER_NODEAGENT_PEER_KEY_FILE" not in env
+    assert by_kind(docs, "Secret") == []  # no fleet key: nothing that opens every node
+    assert "peer-key" not in {v["name"] for v in pod["volumes"]}
+    # The Lease policy's node -> site map, from nodeSites (and the nodes, at install).
+    mapped = render(helm, "--set-json", 'nodeAgent.siteSharing.nodeSites={"n1":"Plant_7.North"}')
+    (policy,) = [
+        p
+        for p in by_kind(mapped, "ValidatingAdmissionPolicy")
+        if p["metadata"]["name"] == "ember-nodeagent-own-leases"
+    ]
+    (sites,) = [v for v in policy["spec"]["variables"] if v["name"] == "sites"]
+    assert json.loads(sites["expression"]) == {"n1": "plant-7-north"}  # as lease_name spells it
 
     off = render(helm, "--set", "nodeAgent.siteSharing.enabled=false")
     (agent,) = [d for d in by_kind(off, "DaemonSet") if "nodeagent" in d["metadata"]["name"]]

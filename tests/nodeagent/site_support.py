@@ -1,7 +1,7 @@
 """A site of node agents on the real API server, for the site-sharing test and benchmark.
 
-`SiteWorld` applies the chart's node-agent objects (RBAC, the three admission policies, the
-peer key Secret) into a namespace, creates plain Node objects labelled `ember.dev/site` with
+`SiteWorld` applies the chart's node-agent objects (RBAC, the admission policies) into a
+namespace, creates plain Node objects labelled `ember.dev/site` with
 the InternalIP each agent serves on, an InferenceDeployment (`MODEL`, CRD installed from crds/)
 whose http source is what the agents fetch, one pod per node naming it the way the operator's
 pods do (label `ember.dev/instance`, annotation `ember.dev/model-fetch-hash`; the pod is also
@@ -14,7 +14,7 @@ API server with their own bound tokens, through the chart's policies.
 
 from __future__ import annotations
 
-import base64
+import json
 import os
 import signal
 import subprocess
@@ -28,13 +28,17 @@ from typing import Any
 
 from ember_runtime.config import FETCH_HASH_ANNOTATION, INSTANCE_LABEL, fetch_from_spec
 from ember_runtime.nodeagent.cache import ContentCache
+from ember_runtime.nodeagent.site import ORIGIN_SLOT, SHORT, lease_name
 from kubernetes import client
 
 from tests.conftest import Kube
 from tests.thermal.kube_support import chart_objects, kubectl_apply, token_dir
 
 AGENT_SA = "ember-nodeagent"
-PEER_SECRET = "ember-nodeagent-peer"
+POLICY = "validatingadmissionpolicy"
+LEASE_POLICY = "ember-nodeagent-own-leases"  # holds the node -> site map
+# The chart's siteSharing.siteLabel: what the agents read their site from.
+TRUSTED_SITE_LABEL = "node-restriction.kubernetes.io/ember-site"
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT / "crds"
 MODEL = "fetched"  # the InferenceDeployment the site's pods belong to
@@ -48,7 +52,14 @@ def site_node(name: str, site: str, ip: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": name, "labels": {"ember.dev/site": site, "type": "site-test"}},
+        "metadata": {
+            "name": name,
+            "labels": {
+                "ember.dev/site": site,
+                TRUSTED_SITE_LABEL: site,
+                "type": "site-test",
+            },
+        },
         "status": {"addresses": [{"type": "InternalIP", "address": ip}]},
     }
 
@@ -157,16 +168,35 @@ class SiteWorld:
         ]
         kubectl_apply(self.kube, self._objects, self.tmp)
         install_crds(self.kube)
-        secret: Any = self.kube.core.read_namespaced_secret(PEER_SECRET, self.namespace)
-        (self.tmp / "peer.key").write_bytes(base64.b64decode(secret.data["key"]))
 
-    def add_nodes(self, ips: Sequence[str]) -> list[str]:
-        for i, ip in enumerate(ips):
+    def add_nodes(
+        self, ips: Sequence[str], site: str | None = None, *, map_sites: bool = True
+    ) -> list[str]:
+        """Nodes of `site` (default: the world's), entered in the Lease policy's map as the
+        chart (at install) or an operator (later) would; returns every node so far."""
+        site = site or self.site
+        start = len(self.nodes)
+        for i, ip in enumerate(ips, start):
             name = f"{self.site}-n{i}"
-            body: Any = site_node(name, self.site, ip)
+            body: Any = site_node(name, site, ip)
             self.kube.core.create_node(body)
             self.nodes.append(name)
+        if map_sites:
+            self.map_sites({n: site for n in self.nodes[start:]})
         return list(self.nodes)
+
+    def map_sites(self, sites: dict[str, str]) -> None:
+        """Add node -> site to the Lease policy's map, as a chart upgrade (or an operator)
+        would write it: the site as Lease names spell it."""
+        path = self.tmp / "own-leases.json"
+        policy = json.loads(self.kube.kubectl("get", POLICY, LEASE_POLICY, "-o", "json"))
+        (var,) = [v for v in policy["spec"]["variables"] if v["name"] == "sites"]
+        known = json.loads(var["expression"])
+        for node, site in sites.items():
+            known[node] = lease_name(site, "0" * 64)[len("ember-fetch-") : -(SHORT + 1)]
+        var["expression"] = json.dumps(known)
+        path.write_text(json.dumps(policy))
+        self.kube.kubectl("replace", "-f", str(path))
 
     def want(self, files: Sequence[dict[str, Any]] | None) -> None:
         """One pod per node wanting `files` (what the agents fetch; None: nothing yet)."""
@@ -238,10 +268,11 @@ class SiteWorld:
                 f"--cache_root={cache.root}",
                 f"--namespace={self.namespace}",
                 f"--sysfs_root={self.tmp / 'sys'}",
+                f"--site_label={TRUSTED_SITE_LABEL}",
                 "--interval_seconds=60",
                 *(
                     [
-                        f"--peer_key_file={self.tmp / 'peer.key'}",
+                        "--site_sharing=true",
                         f"--peer_bind={peer_bind}",
                         f"--peer_port={peer_port}",
                     ]
@@ -287,7 +318,12 @@ class SiteWorld:
 
     def leases(self) -> list[Any]:
         listed: Any = client.CoordinationV1Api(self.kube.api).list_namespaced_lease(self.namespace)
-        return [i for i in listed.items if i.metadata.name.startswith("ember-fetch-")]
+        slot = lease_name(self.site, ORIGIN_SLOT)  # the site's origin slot is not a file's
+        return [
+            i
+            for i in listed.items
+            if i.metadata.name.startswith("ember-fetch-") and i.metadata.name != slot
+        ]
 
     def close(self) -> None:
         self.stop_agents()

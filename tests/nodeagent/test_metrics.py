@@ -46,10 +46,10 @@ def _reader() -> KubeReader:
 def test_origin_and_peer_bytes_on_the_real_endpoint(tmp_path: Path) -> None:
     first, second = AgentMetrics(), AgentMetrics()  # two nodes
     first_port, second_port = first.serve("127.0.0.1", 0), second.serve("127.0.0.1", 0)
-    (tmp_path / "key").write_bytes(b"k" * 32)
-    key = peerauth.PeerKey(tmp_path / "key")
+    me, them = peerauth.Identity("second"), peerauth.Identity("first")
     holder = ContentCache(tmp_path / "first")
-    server = PeerServer(holder, key, "127.0.0.1", 0, metrics=first)
+    knows = {"second": me.public}.get
+    server = PeerServer(holder, them, knows, "127.0.0.1", 0, metrics=first)
     server.start()
     try:
         with serve({"m.gguf": DATA}) as (base, origin):
@@ -73,13 +73,13 @@ def test_origin_and_peer_bytes_on_the_real_endpoint(tmp_path: Path) -> None:
                     ContentCache(tmp_path / "second"),
                     reader,
                     cfg,
-                    key=key,
+                    me=me,
                     http=http,
                     stop=threading.Event(),
                     metrics=second,
                 )
                 site.view.peers = {
-                    "first": Peer(f"127.0.0.1:{server.port}", frozenset({short(SHA)}))
+                    "first": Peer(f"127.0.0.1:{server.port}", frozenset({short(SHA)}), them.public)
                 }
                 got = await site._from_peers(Want("unused", SHA, SIZE))
             await reader.aclose()

@@ -35,7 +35,12 @@ from tests.nodeagent.origin import serve
 SIZE = 1 << 20
 DATA = os.urandom(SIZE)
 SHA = hashlib.sha256(DATA).hexdigest()
-KEY = b"partition-test-key-0123456789"
+# The receiver (n1) and the holder (n2): each knows the other's key, as from their Nodes.
+ME, HOLDER = peerauth.Identity("n1"), peerauth.Identity("n2")
+
+
+def _knows_me(node: str) -> str | None:
+    return ME.public if node == "n1" else None
 
 
 def _closed_port() -> int:
@@ -45,24 +50,18 @@ def _closed_port() -> int:
 
 
 @pytest.fixture
-def key(tmp_path: Path) -> peerauth.PeerKey:
-    (tmp_path / "key").write_bytes(KEY)
-    return peerauth.PeerKey(tmp_path / "key")
-
-
-@pytest.fixture
-def holder(tmp_path: Path, key: peerauth.PeerKey) -> Iterator[PeerServer]:
+def holder(tmp_path: Path) -> Iterator[PeerServer]:
     cache = ContentCache(tmp_path / "holder")
     cache.blobs.mkdir(parents=True)
     cache.path(SHA).write_bytes(DATA)
-    server = PeerServer(cache, key, "127.0.0.1", 0)
+    server = PeerServer(cache, HOLDER, _knows_me, "127.0.0.1", 0)
     server.start()
     yield server
     server.close()
 
 
 def _obtain(
-    tmp_path: Path, key: peerauth.PeerKey, peers: dict[str, Peer], url: str, wait: float
+    tmp_path: Path, peers: dict[str, Peer], url: str, wait: float
 ) -> tuple[str, float, ContentCache]:
     """One obtain() by an agent whose API server does not answer."""
     cache = ContentCache(tmp_path / "receiver")
@@ -74,7 +73,7 @@ def _obtain(
         reader = KubeReader(endpoint, timeout=1.0)
         cfg = SiteConfig("n1", "ember", 0, lease_seconds=3, origin_wait_seconds=wait)
         with httpx.Client(timeout=10) as http:
-            site = SiteSharing(cache, reader, cfg, key=key, http=http, stop=threading.Event())
+            site = SiteSharing(cache, reader, cfg, me=ME, http=http, stop=threading.Event())
             site.view.peers = dict(peers)  # what it knew before the API went away
             want = Want(url, SHA, SIZE)
 
@@ -91,32 +90,29 @@ def _obtain(
     return where, elapsed, cache
 
 
-def test_known_peer_serves_while_the_api_is_away(
-    tmp_path: Path, key: peerauth.PeerKey, holder: PeerServer
-) -> None:
-    """The peer had not even advertised the file: it is asked directly."""
-    peers = {"n2": Peer(f"127.0.0.1:{holder.port}")}
+def test_known_peer_serves_while_the_api_is_away(tmp_path: Path, holder: PeerServer) -> None:
+    """The peer had not even advertised the file: it is asked directly (and verified with
+    the key it had published before the API went away)."""
+    peers = {"n2": Peer(f"127.0.0.1:{holder.port}", key=HOLDER.public)}
     with serve({"m": DATA}) as (base, origin):
-        where, _, cache = _obtain(tmp_path, key, peers, f"{base}/m", wait=60)
+        where, _, cache = _obtain(tmp_path, peers, f"{base}/m", wait=60)
     assert where == "peer" and cache.path(SHA).read_bytes() == DATA
     assert origin.bytes_sent == 0 and holder.bytes_served == SIZE
 
 
-def test_a_known_peer_that_gets_the_file_later_is_asked_again(
-    tmp_path: Path, key: peerauth.PeerKey
-) -> None:
+def test_a_known_peer_that_gets_the_file_later_is_asked_again(tmp_path: Path) -> None:
     """Partitioned, the holder still downloading: its 404s do not shun it, so the file comes
     from it a poll after it lands, not after a 30 s penalty, and never from the origin."""
     cache = ContentCache(tmp_path / "late-holder")
     cache.blobs.mkdir(parents=True)
-    server = PeerServer(cache, key, "127.0.0.1", 0)
+    server = PeerServer(cache, HOLDER, _knows_me, "127.0.0.1", 0)
     server.start()
     timer = threading.Timer(1.5, lambda: cache.path(SHA).write_bytes(DATA))
     timer.start()
     try:
-        peers = {"n2": Peer(f"127.0.0.1:{server.port}")}
+        peers = {"n2": Peer(f"127.0.0.1:{server.port}", key=HOLDER.public)}
         with serve({"m": DATA}) as (base, origin):
-            where, elapsed, _ = _obtain(tmp_path, key, peers, f"{base}/m", wait=60)
+            where, elapsed, _ = _obtain(tmp_path, peers, f"{base}/m", wait=60)
     finally:
         timer.join()
         server.close()
@@ -124,10 +120,10 @@ def test_a_known_peer_that_gets_the_file_later_is_asked_again(
     assert elapsed < 10, elapsed
 
 
-def test_origin_only_after_the_bounded_wait(tmp_path: Path, key: peerauth.PeerKey) -> None:
-    dead_peer = {"n2": Peer(f"127.0.0.1:{_closed_port()}")}
+def test_origin_only_after_the_bounded_wait(tmp_path: Path) -> None:
+    dead_peer = {"n2": Peer(f"127.0.0.1:{_closed_port()}", key=HOLDER.public)}
     with serve({"m": DATA}) as (base, origin):
-        where, elapsed, cache = _obtain(tmp_path, key, dead_peer, f"{base}/m", wait=2.0)
+        where, elapsed, cache = _obtain(tmp_path, dead_peer, f"{base}/m", wait=2.0)
     assert where == "origin" and cache.path(SHA).read_bytes() == DATA
     assert elapsed >= 2.0, elapsed
     assert origin.bytes_sent == SIZE
@@ -143,7 +139,11 @@ def test_lease_names_are_dns_names_whatever_the_site_label() -> None:
 def test_a_nodes_peer_annotations_are_read_back() -> None:
     node = {
         "metadata": {
-            "annotations": {"ember.dev/peer": "10.0.0.5:7431", "ember.dev/cache": "a1,b2,"}
+            "annotations": {
+                "ember.dev/peer": "10.0.0.5:7431",
+                "ember.dev/cache": "a1,b2,",
+                "ember.dev/peer-key": HOLDER.public,
+            }
         },
         "status": {
             "addresses": [
@@ -152,21 +152,19 @@ def test_a_nodes_peer_annotations_are_read_back() -> None:
             ]
         },
     }
-    assert peer_of(node) == Peer("10.0.0.5:7431", frozenset({"a1", "b2"}))
+    assert peer_of(node) == Peer("10.0.0.5:7431", frozenset({"a1", "b2"}), HOLDER.public)
     assert internal_ip(node) == "10.0.0.5"
     assert peer_of({"metadata": {}}) is None and internal_ip({}) is None
 
 
-def test_own_node_leaving_its_site_makes_the_agent_read_it_again(
-    tmp_path: Path, key: peerauth.PeerKey
-) -> None:
+def test_own_node_leaving_its_site_makes_the_agent_read_it_again(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("t")
     reader = KubeReader(Endpoint("https://127.0.0.1:9", token, None))
     cfg = SiteConfig("n1", "ember", 0)
     with httpx.Client() as http:
         site = SiteSharing(
-            ContentCache(tmp_path), reader, cfg, key=key, http=http, stop=threading.Event()
+            ContentCache(tmp_path), reader, cfg, me=ME, http=http, stop=threading.Event()
         )
         site.view.site, site.view.resolved = "a", True
 

@@ -1,5 +1,5 @@
-"""The peer port and its parts, no cluster: HMAC authentication (a bad, expired or missing
-signature is refused), Range serving of complete files only, a peer fetch through the same
+"""The peer port and its parts, no cluster: per-node signatures (a bad, expired, replayed or
+missing one is refused), Range serving of complete files only, a peer fetch through the same
 ContentCache.fetch that the origin uses (verified against the sha256), and the token bucket."""
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ from tests.nodeagent.origin import serve
 SIZE = 2 * (1 << 20) + 777
 DATA = os.urandom(SIZE)
 SHA = hashlib.sha256(DATA).hexdigest()
-KEY = b"k" * 32
+# The holder and the asker, peers of one site (each knows the other's published key).
+HOLDER, ME = peerauth.Identity("holder"), peerauth.Identity("asker")
+
+
+def _site(node: str) -> str | None:
+    return {"asker": ME.public, "holder": HOLDER.public}.get(node)
 
 
 @pytest.fixture
@@ -34,13 +39,17 @@ def holder(tmp_path: Path) -> Iterator[tuple[str, PeerServer]]:
     cache.blobs.mkdir(parents=True)
     cache.path(SHA).write_bytes(DATA)
     cache.partial("0" * 64).write_bytes(b"half a file")
-    (tmp_path / "key").write_bytes(KEY + b"\n")
-    server = PeerServer(cache, peerauth.PeerKey(tmp_path / "key"), "127.0.0.1", 0)
+    server = PeerServer(cache, HOLDER, _site, "127.0.0.1", 0)
     server.start()
     try:
         yield f"http://127.0.0.1:{server.port}", server
     finally:
         server.close()
+
+
+def _sign(path: str, range_: str = "", me: peerauth.Identity = ME) -> dict[str, str]:
+    headers = peerauth.sign_request(me, "GET", path, "holder", range_=range_)
+    return {**headers, "Range": range_} if range_ else headers
 
 
 def _get(base: str, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -49,24 +58,29 @@ def _get(base: str, path: str, headers: dict[str, str] | None = None) -> httpx.R
 
 def test_signature_round_trip_and_refusals() -> None:
     now = 1_800_000_000.0
-    headers = {k.lower(): v for k, v in peerauth.sign(KEY, "GET", "/sha256/x", lambda: now).items()}
-    assert peerauth.verify(KEY, "GET", "/sha256/x", headers, now=lambda: now + 10) is None
-    assert peerauth.verify(b"another key....", "GET", "/sha256/x", headers, now=lambda: now) == (
-        "bad signature"
+    verifier = peerauth.RequestVerifier("holder", _site, max_skew=60, now=lambda: now + 10)
+    signed = peerauth.sign_request(ME, "GET", "/sha256/x", "holder", now=lambda: now)
+    headers = {k.lower(): v for k, v in signed.items()}
+    assert verifier.verify("GET", "/sha256/x", headers) == ("asker", None)
+    assert verifier.verify("GET", "/sha256/x", headers)[1] == "replayed request"
+    fresh = {
+        k.lower(): v
+        for k, v in peerauth.sign_request(ME, "GET", "/sha256/x", "holder", now=lambda: now).items()
+    }
+    assert verifier.verify("GET", "/sha256/y", fresh)[1] == "bad signature"
+    assert verifier.verify("HEAD", "/sha256/x", fresh)[1] == "bad signature"
+    assert verifier.verify("GET", "/sha256/x", {**fresh, "range": "bytes=5-"})[1] == (
+        "bad signature"  # the Range is signed: a captured request cannot ask for other bytes
     )
-    assert peerauth.verify(KEY, "GET", "/sha256/y", headers, now=lambda: now) == "bad signature"
-    assert peerauth.verify(KEY, "HEAD", "/sha256/x", headers, now=lambda: now) == "bad signature"
-    late = peerauth.verify(KEY, "GET", "/sha256/x", headers, max_skew=60, now=lambda: now + 61)
-    assert late is not None and "more than 60s" in late
-    early = peerauth.verify(KEY, "GET", "/sha256/x", headers, max_skew=60, now=lambda: now - 61)
-    assert early is not None  # a clock ahead of ours is bounded too
-    assert peerauth.verify(KEY, "GET", "/sha256/x", {}, now=lambda: now) == "no peer signature"
-
-
-def test_short_key_file_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "key").write_bytes(b"short")
-    with pytest.raises(ValueError, match="shorter than 16"):
-        peerauth.PeerKey(tmp_path / "key").get()
+    late = peerauth.RequestVerifier("holder", _site, max_skew=60, now=lambda: now + 61)
+    problem = late.verify("GET", "/sha256/x", fresh)[1]
+    assert problem is not None and "more than 60s" in problem
+    early = peerauth.RequestVerifier("holder", _site, max_skew=60, now=lambda: now - 61)
+    assert early.verify("GET", "/sha256/x", fresh)[1] is not None  # a clock ahead is bounded too
+    assert verifier.verify("GET", "/sha256/x", {})[1] == "no peer signature"
+    # Meant for another peer of the site: the audience is signed.
+    elsewhere = peerauth.RequestVerifier("third", _site, now=lambda: now)
+    assert elsewhere.verify("GET", "/sha256/x", fresh)[1] == "bad signature"
 
 
 def test_unsigned_badly_signed_and_expired_requests_get_403(
@@ -75,26 +89,27 @@ def test_unsigned_badly_signed_and_expired_requests_get_403(
     base, server = holder
     path = f"/sha256/{SHA}"
     assert _get(base, path).status_code == 403
-    assert _get(base, path, peerauth.sign(b"x" * 32, "GET", path)).status_code == 403
-    stale = peerauth.sign(KEY, "GET", path, lambda: time.time() - 3600)
+    stranger = peerauth.Identity("asker")  # claims the name, has not the key
+    assert _get(base, path, _sign(path, me=stranger)).status_code == 403
+    stale = peerauth.sign_request(ME, "GET", path, "holder", now=lambda: time.time() - 3600)
     assert _get(base, path, stale).status_code == 403
     # A signature for one file does not open another.
     other = f"/sha256/{'1' * 64}"
-    assert _get(base, other, peerauth.sign(KEY, "GET", path)).status_code == 403
+    assert _get(base, other, _sign(path)).status_code == 403
     assert server.bytes_served == 0
 
 
 def test_serves_whole_file_and_ranges(holder: tuple[str, PeerServer]) -> None:
     base, server = holder
     path = f"/sha256/{SHA}"
-    whole = _get(base, path, peerauth.sign(KEY, "GET", path))
+    whole = _get(base, path, _sign(path))
     assert whole.status_code == 200 and whole.content == DATA
-    part = _get(base, path, {**peerauth.sign(KEY, "GET", path), "Range": "bytes=1000-"})
+    part = _get(base, path, _sign(path, "bytes=1000-"))
     assert part.status_code == 206 and part.content == DATA[1000:]
     assert part.headers["content-range"] == f"bytes 1000-{SIZE - 1}/{SIZE}"
-    mid = _get(base, path, {**peerauth.sign(KEY, "GET", path), "Range": "bytes=10-19"})
+    mid = _get(base, path, _sign(path, "bytes=10-19"))
     assert mid.status_code == 206 and mid.content == DATA[10:20]
-    past = _get(base, path, {**peerauth.sign(KEY, "GET", path), "Range": f"bytes={SIZE}-"})
+    past = _get(base, path, _sign(path, f"bytes={SIZE}-"))
     assert past.status_code == 416
     assert server.bytes_served == SIZE + (SIZE - 1000) + 10
 
@@ -102,13 +117,28 @@ def test_serves_whole_file_and_ranges(holder: tuple[str, PeerServer]) -> None:
 def test_partials_and_unknown_digests_are_not_served(holder: tuple[str, PeerServer]) -> None:
     base, _ = holder
     for path in (f"/sha256/{'0' * 64}", f"/sha256/{'0' * 64}.partial", "/etc/passwd"):
-        assert _get(base, path, peerauth.sign(KEY, "GET", path)).status_code == 404
-    post = httpx.post(f"{base}/sha256/{SHA}", headers=peerauth.sign(KEY, "POST", "/x"))
+        assert _get(base, path, _sign(path)).status_code == 404
+    signed = peerauth.sign_request(ME, "POST", "/x", "holder")
+    post = httpx.post(f"{base}/x", headers=signed)
     assert post.status_code == 405  # read-only, whoever asks
 
 
-def _signer(method: str, path: str) -> dict[str, str]:
-    return peerauth.sign(KEY, method, path)
+def _want(base: str, sha: str) -> Want:
+    def signer(method: str, path: str, headers: dict[str, str]) -> dict[str, str]:
+        range_ = headers.get("Range", "")
+        return peerauth.sign_request(ME, method, path, "holder", range_=range_)
+
+    def checker(resp: httpx.Response, request: dict[str, str]) -> str | None:
+        return peerauth.verify_response(
+            HOLDER.public,
+            "holder",
+            resp.status_code,
+            resp.request.url.path,
+            request=request,
+            headers=resp.headers,
+        )
+
+    return Want(f"{base}/sha256/{sha}", sha, SIZE, signer=signer, checker=checker)
 
 
 def test_peer_fetch_goes_through_the_verified_download(
@@ -119,7 +149,7 @@ def test_peer_fetch_goes_through_the_verified_download(
     cache.blobs.mkdir(parents=True)
     cache.partial(SHA).write_bytes(DATA[: SIZE // 3])  # left by an interrupted transfer
     with httpx.Client(timeout=10) as client:
-        cache.fetch(client, Want(f"{base}/sha256/{SHA}", SHA, SIZE, signer=_signer))
+        cache.fetch(client, _want(base, SHA))
     assert cache.path(SHA).read_bytes() == DATA
     assert not cache.partial(SHA).exists()
 
@@ -133,7 +163,7 @@ def test_a_peer_serving_other_bytes_lands_nothing(
     server.cache.path(wrong).write_bytes(DATA)  # a corrupted holder
     cache = ContentCache(tmp_path / "receiver")
     with httpx.Client(timeout=10) as client, pytest.raises(FetchError) as info:
-        cache.fetch(client, Want(f"{base}/sha256/{wrong}", wrong, SIZE, signer=_signer))
+        cache.fetch(client, _want(base, wrong))
     assert info.value.reason == reasons.CHECKSUM_MISMATCH
     assert cache.held() == [] and list(cache.blobs.iterdir()) == []
 
@@ -184,14 +214,13 @@ def test_a_slow_reader_gets_the_whole_file(tmp_path: Path) -> None:
     cache = ContentCache(tmp_path / "holder")
     cache.blobs.mkdir(parents=True)
     cache.path(sha).write_bytes(big)
-    (tmp_path / "key").write_bytes(KEY)
-    server = PeerServer(cache, peerauth.PeerKey(tmp_path / "key"), "127.0.0.1", 0)
+    server = PeerServer(cache, HOLDER, _site, "127.0.0.1", 0)
     server.start()
     try:
         path = f"/sha256/{sha}"
         url = f"http://127.0.0.1:{server.port}{path}"
         got = bytearray()
-        with httpx.stream("GET", url, headers=peerauth.sign(KEY, "GET", path), timeout=30) as r:
+        with httpx.stream("GET", url, headers=_sign(path), timeout=30) as r:
             for i, chunk in enumerate(r.iter_bytes(1 << 20)):
                 if i == 0:
                     time.sleep(1.0)

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from ember_runtime.config import cache_label
+from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.site import CACHE_ANNOTATION, PEER_ANNOTATION, lease_name, short
 
 from tests.conftest import Kube
@@ -244,6 +245,10 @@ def test_agent_writes_only_its_own_annotations_and_leases(world: SiteWorld, kube
         assert annotate(own, PEER_ANNOTATION).status_code == 200
         refused = annotate(other, PEER_ANNOTATION)
         assert refused.status_code == 403 and "own node" in refused.text
+        # Its peer key only on its own Node: no agent publishes a key in another node's name.
+        assert annotate(own, peerauth.KEY_ANNOTATION).status_code == 200
+        forged = annotate(other, peerauth.KEY_ANNOTATION)
+        assert forged.status_code == 403 and "own node" in forged.text
 
         def label(node: str, labels: dict[str, str | None]) -> httpx.Response:
             body = json.dumps({"metadata": {"labels": labels}})
@@ -266,9 +271,10 @@ def test_agent_writes_only_its_own_annotations_and_leases(world: SiteWorld, kube
             headers=MERGE,
         )
         assert taint.status_code == 403
-        assert http.post(leases, json=lease("ember-fetch-x-1", own)).status_code == 201
-        foreign = http.post(leases, json=lease("ember-fetch-x-2", other))
+        first, second = lease_name(world.site, SHA), lease_name(world.site, "0" * 64)
+        assert http.post(leases, json=lease(first, own)).status_code == 201
+        foreign = http.post(leases, json=lease(second, other))
         assert foreign.status_code == 403 and "own node" in foreign.text
         assert http.post(leases, json=lease("other-lease", own)).status_code == 403
         assert http.get(leases).status_code == 403  # get by name only: no list
-        assert http.delete(f"{leases}/ember-fetch-x-1").status_code == 403
+        assert http.delete(f"{leases}/{first}").status_code == 403

@@ -25,10 +25,10 @@ from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
 from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.metrics import AgentMetrics
-from ember_runtime.nodeagent.peerauth import PeerKey
+from ember_runtime.nodeagent.peerauth import Identity
 from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.ratelimit import TokenBucket
-from ember_runtime.nodeagent.site import SiteConfig, SiteSharing
+from ember_runtime.nodeagent.site import SITE_LABEL, SiteConfig, SiteSharing
 from ember_runtime.nodeagent.windows import Windows
 from ember_runtime.sensors import build_source
 from ember_runtime.sensors.base import TemperatureSource
@@ -72,11 +72,11 @@ class AgentSettings(BaseSettings):
         description="A mismatch written on a site Lease stands this long (by this agent's "
         "clock) before this agent tries the URL itself.",
     )
-    # Site sharing (site.py): on when a peer key is given.
-    peer_key_file: Path | None = Field(
-        default=None,
-        description="The fleet's shared HMAC key for peer requests (a mounted Secret); "
-        "None: no site sharing, every file from the origin.",
+    # Site sharing (site.py, peerauth.py): each agent makes its own peer key at start.
+    site_sharing: bool = Field(
+        default=False,
+        description="Share cached files with the nodes of this node's site and take turns at "
+        "the origin; off: every file from the origin.",
     )
     peer_port: int = Field(
         default=7431, ge=0, le=65535, description="Serve site peers here (0: any free port)."
@@ -86,6 +86,11 @@ class AgentSettings(BaseSettings):
         default=None, description="host:port to advertise (default: the Node's InternalIP)."
     )
     peer_max_skew_seconds: float = Field(default=300.0, gt=0)
+    site_label: str = Field(
+        default=SITE_LABEL,
+        description="The node label naming its site (the chart: one under "
+        "node-restriction.kubernetes.io/, which a kubelet cannot set on itself).",
+    )
     lease_seconds: int = Field(default=30, ge=3, description="A site fetch Lease's duration.")
     origin_wait_seconds: float = Field(
         default=600.0,
@@ -101,8 +106,10 @@ class AgentSettings(BaseSettings):
     origin_max_bytes_per_second: float | None = Field(
         default=None,
         gt=0,
-        description="maxBandwidth for origin traffic (one origin download per site at a "
-        "time, so this is the site's WAN share too). None: unlimited.",
+        description="maxBandwidth: origin traffic in bytes/s. Each agent paces its own "
+        "origin downloads to it; with site sharing the site also downloads one file from the "
+        "origin at a time (the site's origin slot), so it is the site's WAN use. None: "
+        "unlimited, and no origin slot.",
     )
 
     metrics_port: int | None = Field(
@@ -188,7 +195,7 @@ async def run(settings: AgentSettings) -> None:
     if settings.cache_root is not None and reader is not None:
         cache = ContentCache(settings.cache_root)
         site = None
-        if settings.peer_key_file is not None:
+        if settings.site_sharing:
             server, site = start_site_sharing(settings, cache, reader, metrics)
             tasks.append(asyncio.create_task(site.run()))
         labels = CacheLabels(
@@ -232,15 +239,19 @@ def start_site_sharing(
     settings: AgentSettings, cache: ContentCache, reader: KubeReader, metrics: AgentMetrics
 ) -> tuple[PeerServer, SiteSharing]:
     """The peer port (serving from now on) and the site coordination that uses it."""
-    assert settings.peer_key_file is not None
-    key = PeerKey(settings.peer_key_file)
-    key.get()  # a missing or short key fails at start, not at the first peer request
+    me = Identity(settings.node_name)  # a fresh key pair each start: a restart rotates it
+    site: SiteSharing | None = None
+
+    def peer_key(node: str) -> str | None:  # only the nodes of our site, as last seen
+        return site.peer_key(node) if site is not None else None
+
     server = PeerServer(
         cache,
-        key,
+        me,
+        peer_key,
         settings.peer_bind,
         settings.peer_port,
-        settings.peer_max_skew_seconds,
+        max_skew=settings.peer_max_skew_seconds,
         metrics=metrics,
     )
     server.start()
@@ -252,12 +263,15 @@ def start_site_sharing(
         lease_seconds=settings.lease_seconds,
         origin_wait_seconds=settings.origin_wait_seconds,
         failure_seconds=settings.failure_seconds,
+        site_label=settings.site_label,
+        # maxBandwidth is the site's: one origin download per site at a time, at that rate.
+        origin_slot=settings.origin_max_bytes_per_second is not None,
     )
     # Peers are on the LAN: a short connect timeout moves on to the next one quickly.
     http = httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0))
     log.info("serving cached files to site peers on %s:%d", settings.peer_bind, server.port)
     site = SiteSharing(
-        cache, reader, cfg, key=key, http=http, stop=threading.Event(), metrics=metrics
+        cache, reader, cfg, me=me, http=http, stop=threading.Event(), metrics=metrics
     )
     return server, site
 

@@ -44,9 +44,13 @@ RESUMABLE = (httpx.TransportError, httpx.RemoteProtocolError)
 
 Progress = Callable[[int], None]  # called with the bytes now on disk for the file
 Meter = Callable[[int], object]  # called with each chunk's size (a metrics counter's inc)
-# Headers computed for each request (method, URL path): a peer's HMAC carries the time, so a
-# resumed request signs afresh rather than reusing the first request's headers.
-Signer = Callable[[str, str], dict[str, str]]
+# Headers computed for each request (method, URL path, the request's other headers — its
+# Range): a peer's signature carries the time, a nonce and the Range, so a resumed request
+# signs afresh rather than reusing the first request's headers.
+Signer = Callable[[str, str, dict[str, str]], dict[str, str]]
+# Checks an answer's headers against the request's (a peer's signed response): why it is not
+# acceptable, or None.
+Checker = Callable[[httpx.Response, dict[str, str]], str | None]
 
 
 class FetchError(Exception):
@@ -78,11 +82,12 @@ class Want:
     size_bytes: int
     headers: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
     signer: Signer | None = field(default=None, hash=False, compare=False)
+    checker: Checker | None = field(default=None, hash=False, compare=False)
 
-    def request_headers(self) -> dict[str, str]:
-        headers = dict(self.headers)
+    def request_headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        headers = {**self.headers, **(extra or {})}
         if self.signer is not None:
-            headers.update(self.signer("GET", urlsplit(self.url).path))
+            headers.update(self.signer("GET", urlsplit(self.url).path, headers))
         return headers
 
     def where(self) -> str:
@@ -289,10 +294,11 @@ def _download(client: httpx.Client, want: Want, fd: int, pacing: _Pacing) -> str
     stop, progress, limiter = pacing.stop, pacing.progress, pacing.limiter
     hasher, have = _rehash(fd, want.size_bytes)
     if have < want.size_bytes:
-        headers = want.request_headers()
-        if have:
-            headers["Range"] = f"bytes={have}-"
+        headers = want.request_headers({"Range": f"bytes={have}-"} if have else None)
         with client.stream("GET", want.url, headers=headers) as resp:
+            problem = want.checker(resp, headers) if want.checker is not None else None
+            if problem is not None:
+                raise FetchError(f"{want.where()}: {problem}", status=resp.status_code)
             have, hasher = _start(resp, want, fd, have, hasher)
             for chunk in resp.iter_bytes(CHUNK_BYTES):
                 if stop is not None and stop.is_set():

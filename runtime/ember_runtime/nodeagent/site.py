@@ -11,10 +11,17 @@ Nodes of a site carry the label `ember.dev/site`. For a file its node needs, an 
    leader election does, so the nodes' clocks need not agree) is taken over.
 
 Discovery goes through each agent's own Node object: annotations `ember.dev/peer`
-(`<InternalIP>:<peer_port>`) and `ember.dev/cache` (the short digests, 16 hex characters, of the
-complete files it holds, comma-separated — a sha256 does not fit a label value, and 64 bits
-are plenty to tell a site's models apart; the receiver verifies the full digest anyway).
+(`<InternalIP>:<peer_port>`), `ember.dev/peer-key` (its public key, peerauth) and
+`ember.dev/cache` (the short digests, 16 hex characters, of the complete files it holds,
+comma-separated — a sha256 does not fit a label value, and 64 bits are plenty to tell a site's
+models apart; the receiver verifies the full digest anyway). The Nodes listed by the site
+label are the only peers whose keys this agent accepts, asking or answering.
 The agent watches the Nodes of its site and writes its own annotations on change only.
+
+With maxBandwidth set (`origin_slot`), the holder of a file's Lease also waits for the site's
+origin slot, the Lease `ember-fetch-<site>-0000000000000000` (held, renewed and taken over the
+same way, and released when its download ends): a site downloads one file from the origin at a
+time, so maxBandwidth is the site's WAN rate, not each node's.
 
 A holder whose origin download fails a checksum or size check says so on the Lease
 (`ember.dev/failed`, with the URL), so the rest of the site records the same failure for that URL
@@ -47,7 +54,7 @@ import httpx
 
 from ember_runtime import reasons
 from ember_runtime.nodeagent import peerauth
-from ember_runtime.nodeagent.cache import ContentCache, FetchError, Want
+from ember_runtime.nodeagent.cache import Checker, ContentCache, FetchError, Signer, Want
 from ember_runtime.nodeagent.metrics import PEER, AgentMetrics
 from ember_runtime.thermal.kube import ApiError
 
@@ -58,6 +65,10 @@ PEER_ANNOTATION = "ember.dev/peer"
 CACHE_ANNOTATION = "ember.dev/cache"
 FAILED_ANNOTATION = "ember.dev/failed"
 FAILED_URL_ANNOTATION = "ember.dev/failed-url"
+RELEASED_ANNOTATION = "ember.dev/released"  # the holder is done: free to take at once
+# The site's origin slot (maxBandwidth per site): a fetch Lease named for the all-zero digest,
+# which no file has, so it fits the Lease policy's ember-fetch-<site>-<16 hex> like the rest.
+ORIGIN_SLOT = "0" * 64
 SHA_ANNOTATION = "ember.dev/sha256"
 SHORT = 16
 MERGE_PATCH = "application/merge-patch+json"
@@ -108,6 +119,9 @@ class SiteConfig:
     origin_wait_seconds: float = 600.0
     site_label: str = SITE_LABEL
     failure_seconds: float = 300.0  # a failure on a Lease stands this long, then is retried
+    # One origin download per site at a time (any file), under the site's origin slot: set
+    # with maxBandwidth, which then limits the site's WAN use, not each node's.
+    origin_slot: bool = False
 
 
 class SiteChanged(Exception):
@@ -118,6 +132,7 @@ class SiteChanged(Exception):
 class Peer:
     address: str
     holds: frozenset[str] = frozenset()
+    key: str | None = None  # its public key (peerauth); None: not trusted, not asked
 
 
 @dataclass
@@ -153,6 +168,7 @@ class Leases:
         annotations = lease["metadata"].setdefault("annotations", {})
         annotations.pop(FAILED_ANNOTATION, None)
         annotations.pop(FAILED_URL_ANNOTATION, None)
+        annotations.pop(RELEASED_ANNOTATION, None)
         return lease
 
     async def acquire(self, name: str, site: str, want: Want) -> LeaseState:
@@ -166,6 +182,7 @@ class Leases:
         holder = spec.get("holderIdentity") or None
         annotations = lease["metadata"].get("annotations") or {}
         failed = annotations.get(FAILED_ANNOTATION)
+        released = annotations.get(RELEASED_ANNOTATION) == "true"
         if (
             failed
             and annotations.get(FAILED_URL_ANNOTATION) == want.url
@@ -174,9 +191,9 @@ class Leases:
         ):
             # A failure expires (by this agent's clock, like a Lease): the URL may be fixed.
             return LeaseState(mine=False, holder=holder, failed=failed)
-        if holder == self.cfg.node and not failed:
+        if holder == self.cfg.node and not failed and not released:
             return LeaseState(mine=True, holder=holder)  # ours from before a restart
-        if holder and not failed and not self._expired(name, lease):
+        if holder and not failed and not released and not self._expired(name, lease):
             return LeaseState(mine=False, holder=holder)
         log.info("taking over Lease %s from %s", name, holder or "nobody")
         body = self._claim(lease, int(spec.get("leaseTransitions") or 0) + 1)
@@ -227,6 +244,14 @@ class Leases:
         await self.api.send("PUT", self._path(name), lease)
         return True
 
+    async def release(self, name: str) -> None:
+        """Say we are done with our Lease, so the next node need not wait for it to expire."""
+        lease = await self.api.get(self._path(name))
+        if (lease.get("spec") or {}).get("holderIdentity") != self.cfg.node:
+            return
+        lease["metadata"].setdefault("annotations", {})[RELEASED_ANNOTATION] = "true"
+        await self.api.send("PUT", self._path(name), lease)
+
     async def mark_failed(self, name: str, url: str, line: str) -> None:
         lease = await self.api.get(self._path(name))
         if (lease.get("spec") or {}).get("holderIdentity") != self.cfg.node:
@@ -256,7 +281,7 @@ def peer_of(node: dict[str, Any]) -> Peer | None:
     if not address:
         return None
     held = frozenset(s for s in annotations.get(CACHE_ANNOTATION, "").split(",") if s)
-    return Peer(address, held)
+    return Peer(address, held, annotations.get(peerauth.KEY_ANNOTATION) or None)
 
 
 @dataclass
@@ -278,12 +303,12 @@ class SiteSharing:
         api: Api,
         cfg: SiteConfig,
         *,
-        key: peerauth.PeerKey,
+        me: peerauth.Identity,
         http: httpx.Client,
         stop: threading.Event,
         metrics: AgentMetrics | None = None,
     ) -> None:
-        self.cache, self.api, self.cfg, self.key, self.http = cache, api, cfg, key, http
+        self.cache, self.api, self.cfg, self.me, self.http = cache, api, cfg, me, http
         self.stop = stop
         self.metrics = metrics
         self.leases = Leases(api, cfg)
@@ -375,7 +400,11 @@ class SiteSharing:
         if not self.view.resolved or self.view.address is None or self.view.site is None:
             return None
         held = ",".join(short(sha) for sha in self.cache.held())
-        return {PEER_ANNOTATION: self.view.address, CACHE_ANNOTATION: held}
+        return {
+            PEER_ANNOTATION: self.view.address,
+            peerauth.KEY_ANNOTATION: self.me.public,
+            CACHE_ANNOTATION: held,
+        }
 
     async def publish_forever(self, resync_seconds: float = 60.0) -> None:
         """Write our Node's annotations on change (newest wins), retrying while the API is
@@ -414,20 +443,29 @@ class SiteSharing:
 
     # --- getting one file ----------------------------------------------------------------
 
-    def _candidates(self, sha256: str, any_peer: bool) -> list[str]:
+    def peer_key(self, node: str) -> str | None:
+        """The key of `node` if it is a peer of our site (as last seen: also while the API
+        server is away); the peer port serves only these."""
+        peer = self.view.peers.get(node)
+        return peer.key if peer is not None else None
+
+    def _candidates(self, sha256: str, any_peer: bool) -> list[tuple[str, str]]:
         now = time.monotonic()
         found = [
-            p.address
-            for p in self.view.peers.values()
-            if (any_peer or short(sha256) in p.holds) and self._bad_until.get(p.address, 0) <= now
+            (node, p.address)
+            for node, p in self.view.peers.items()
+            if p.key is not None
+            and (any_peer or short(sha256) in p.holds)
+            and self._bad_until.get(p.address, 0) <= now
         ]
         random.shuffle(found)  # spread a wave of waiters over the peers that hold it
         return found
 
     async def _from_peers(self, want: Want, any_peer: bool = False) -> bool:
-        for address in self._candidates(want.sha256, any_peer):
+        for node, address in self._candidates(want.sha256, any_peer):
             url = f"http://{address}/sha256/{want.sha256}"
-            from_peer = Want(url, want.sha256, want.size_bytes, signer=self._sign)
+            signer, checker = self._authenticator(node)
+            from_peer = Want(url, want.sha256, want.size_bytes, signer=signer, checker=checker)
             meter = self.metrics.meter(PEER).inc if self.metrics is not None else None
             try:
                 # keep_partial=False: a peer's bytes are not kept past a failed transfer, so
@@ -446,9 +484,10 @@ class SiteSharing:
             except (FetchError, httpx.HTTPError) as err:
                 # A peer that answered wrongly is the peer's fault, never the spec's: no
                 # failure is recorded, the next peer (or the origin) is tried. A 404 only
-                # says it does not hold the file yet (asked directly while partitioned):
-                # ask again next round rather than shunning it.
-                if isinstance(err, FetchError) and err.status == 404:
+                # says it does not hold the file yet (asked directly while partitioned), a
+                # 403 that it has not seen our key yet (we restarted a moment ago): ask
+                # again next round rather than shunning it.
+                if isinstance(err, FetchError) and err.status in (403, 404):
                     log.debug("peer %s does not hold %s yet", address, short(want.sha256))
                     continue
                 level = logging.DEBUG if any_peer else logging.WARNING
@@ -462,8 +501,21 @@ class SiteSharing:
             return True
         return False
 
-    def _sign(self, method: str, path: str) -> dict[str, str]:
-        return peerauth.sign(self.key.get(), method, path)
+    def _authenticator(self, node: str) -> tuple[Signer, Checker]:
+        """Sign requests to `node` and accept only its signed answers to them."""
+
+        def sign(method: str, path: str, headers: dict[str, str]) -> dict[str, str]:
+            range_ = headers.get("Range", "")
+            return peerauth.sign_request(self.me, method, path, node, range_=range_)
+
+        def check(resp: httpx.Response, request: dict[str, str]) -> str | None:
+            path = resp.request.url.path
+            key = self.peer_key(node)
+            return peerauth.verify_response(
+                key, node, resp.status_code, path, request=request, headers=resp.headers
+            )
+
+        return sign, check
 
     async def _wait_change(self, timeout: float) -> None:
         with suppress(TimeoutError):
@@ -520,7 +572,10 @@ class SiteSharing:
         log.info("holding Lease %s: fetching %s from the origin", name, short(want.sha256))
         renewer = asyncio.create_task(self._renew_forever(name))
         try:
-            await origin()
+            if self.cfg.origin_slot:
+                await self._in_origin_slot(origin)
+            else:
+                await origin()
             self.origin_fetches += 1
         except FetchError as err:
             if err.reason in (reasons.CHECKSUM_MISMATCH, reasons.SIZE_MISMATCH):
@@ -533,6 +588,47 @@ class SiteSharing:
         finally:
             renewer.cancel()
             await asyncio.gather(renewer, return_exceptions=True)
+
+    async def _in_origin_slot(self, origin: Origin) -> None:
+        """Run `origin` while holding the site's origin slot, so the site downloads one file
+        from the origin at a time and maxBandwidth is the site's WAN use. Without the API
+        server for origin_wait_seconds it goes ahead without the slot, as obtain() does."""
+        slot = lease_name(self.view.site or "", ORIGIN_SLOT)
+        held = await self._wait_origin_slot(slot)
+        renewer = asyncio.create_task(self._renew_forever(slot)) if held else None
+        try:
+            await origin()
+        finally:
+            if renewer is not None:
+                renewer.cancel()
+                await asyncio.gather(renewer, return_exceptions=True)
+                try:
+                    await self.leases.release(slot)
+                except API_ERRORS as err:
+                    log.warning("releasing the origin slot %s: %s", slot, err)
+
+    async def _wait_origin_slot(self, slot: str) -> bool:
+        """True once we hold the slot; False when coordination is away too long."""
+        poll = max(1.0, self.cfg.lease_seconds / 3)
+        down_since: float | None = None
+        nobody = Want("", ORIGIN_SLOT, 0)
+        while True:
+            if self.stop.is_set():
+                raise InterruptedError(slot)
+            try:
+                state = await self.leases.acquire(slot, self.view.site or "", nobody)
+                down_since = None
+            except API_ERRORS as err:
+                now = time.monotonic()
+                down_since = down_since if down_since is not None else now
+                if now - down_since >= self.cfg.origin_wait_seconds:
+                    log.warning("origin slot %s: no coordination (%s); going ahead", slot, err)
+                    return False
+                state = LeaseState(mine=False)
+            if state.mine:
+                return True
+            log.debug("origin slot %s held by %s; waiting", slot, state.holder)
+            await asyncio.sleep(poll)
 
     async def _renew_forever(self, name: str) -> None:
         every = max(1.0, self.cfg.lease_seconds / 3)
