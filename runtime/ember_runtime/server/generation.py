@@ -35,21 +35,13 @@ class Outcome:
 class Generation:
     """Iterates a stream with the per-request timeout, recording TTFT and inter-token latency."""
 
-    def __init__(
-        self, stream: GenerationStream, metrics: Metrics, timeout: float, request: Request
-    ) -> None:
+    def __init__(self, stream: GenerationStream, metrics: Metrics, timeout: float) -> None:
         self.stream = stream
         self.outcome = Outcome()
         self._metrics = metrics
         self._timeout = timeout
-        self._request = request
         self._started = time.perf_counter()
         self._last: float | None = None
-
-    @property
-    def usage(self) -> Usage:
-        prompt, done = self.stream.prompt_tokens, self.outcome.completion_tokens
-        return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Yield deltas; always leaves the stream finished or cancelled (slot freed)."""
@@ -87,25 +79,38 @@ class Generation:
             self.outcome.finish_reason = delta.finish_reason.value
             self.outcome.error = delta.error
 
-    async def collect(self) -> Outcome:
-        """Run to the end for a non-streaming response, cancelling if the client leaves."""
-        watcher = asyncio.create_task(self._watch_disconnect())
-        try:
-            async for _ in self.deltas():
-                pass
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+    async def run(self) -> Outcome:
+        async for _ in self.deltas():
+            pass
         return self.outcome
 
-    async def _watch_disconnect(self) -> None:
-        # The body is already read, so the next ASGI message is the client going away.
-        while True:
-            message = await self._request.receive()
-            if message["type"] == "http.disconnect":
-                self.stream.cancel()
-                return
+
+async def collect(gens: list[Generation], request: Request) -> list[Outcome]:
+    """Run every choice to its end for a non-streaming response, all cancelled if the client
+    leaves (one watcher: each ASGI message is received once)."""
+    watcher = asyncio.create_task(_watch_disconnect(request, gens))
+    try:
+        return list(await asyncio.gather(*(gen.run() for gen in gens)))
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+async def _watch_disconnect(request: Request, gens: list[Generation]) -> None:
+    # The body is already read, so the next ASGI message is the client going away.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            for gen in gens:
+                gen.stream.cancel()
+            return
+
+
+def total_usage(gens: list[Generation]) -> Usage:
+    prompt = sum(gen.stream.prompt_tokens for gen in gens)
+    done = sum(gen.outcome.completion_tokens for gen in gens)
+    return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
 
 def new_id(prefix: str) -> str:
@@ -123,6 +128,8 @@ class SSEFramer:
         include_usage: bool,
         logprobs: int | None = None,
         echo: str = "",
+        index: int = 0,
+        ident: str | None = None,
     ) -> None:
         self.chat = chat
         self.include_usage = include_usage
@@ -130,10 +137,10 @@ class SSEFramer:
         self.echo = echo
         self._offset = len(echo)  # completions' text_offset of the next token
         kind = "chat.completion.chunk" if chat else "text_completion"
-        ident = new_id("chatcmpl" if chat else "cmpl")
+        ident = ident or new_id("chatcmpl" if chat else "cmpl")
         head = (
             f'data: {{"id":"{ident}","object":"{kind}","created":{int(time.time())},'
-            f'"model":{json.dumps(model)},"choices":[{{"index":0,'
+            f'"model":{json.dumps(model)},"choices":[{{"index":{index},'
         )
         self._head = head
         self._usage_head = head.split('"choices"', maxsplit=1)[0]
@@ -181,7 +188,8 @@ class SSEFramer:
 DONE = "data: [DONE]\n\n"
 
 
-async def sse_events(gen: Generation, framer: SSEFramer) -> AsyncIterator[str]:
+async def choice_events(gen: Generation, framer: SSEFramer) -> AsyncIterator[str]:
+    """One choice's chunks, its finish (or error) included."""
     opening = framer.opening()
     if opening is not None:
         yield opening
@@ -196,6 +204,48 @@ async def sse_events(gen: Generation, framer: SSEFramer) -> AsyncIterator[str]:
         yield framer.error(500, gen.outcome.error or "engine error", "engine_error")
     elif reason is not None and reason != FinishReason.CANCELLED.value:
         yield framer.finish(reason)
-        if framer.include_usage:
-            yield framer.usage(gen.usage)
+
+
+async def sse_events(gens: list[Generation], framers: list[SSEFramer]) -> AsyncIterator[str]:
+    """Every choice's chunks as they come (interleaved for several), then the usage (when
+    asked, once every choice finished) and [DONE]."""
+    if len(gens) == 1:
+        events = choice_events(gens[0], framers[0])
+    else:
+        events = _merged([choice_events(g, f) for g, f in zip(gens, framers, strict=True)])
+    async for chunk in events:
+        yield chunk
+    ended = [g.outcome.finish_reason for g in gens]
+    stopped = (None, "timeout", FinishReason.CANCELLED.value, FinishReason.ERROR.value)
+    normal = all(reason not in stopped for reason in ended)
+    if framers[0].include_usage and normal:
+        yield framers[0].usage(total_usage(gens))
     yield DONE
+
+
+async def _merged(sources: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """Chunks from several iterators in arrival order; closing this closes them all (so a
+    client that leaves cancels every choice)."""
+    # Unbounded: what a slow client leaves queued is at most the choices' own tokens.
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def pump(source: AsyncIterator[str]) -> None:
+        try:
+            async for chunk in source:
+                queue.put_nowait(chunk)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(s)) for s in sources]
+    try:
+        open_sources = len(tasks)
+        while open_sources:
+            chunk = await queue.get()
+            if chunk is None:
+                open_sources -= 1
+            else:
+                yield chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

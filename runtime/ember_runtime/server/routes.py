@@ -4,17 +4,32 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ember_runtime.engines.base import ChatMessage, FinishReason, SamplingParams
+from ember_runtime.engines.base import (
+    ChatMessage,
+    FinishReason,
+    GenerationStream,
+    SamplingParams,
+)
 from ember_runtime.server import logprobs
 from ember_runtime.server.errors import APIError
-from ember_runtime.server.generation import Generation, SSEFramer, new_id, sse_events
+from ember_runtime.server.generation import (
+    Generation,
+    Outcome,
+    SSEFramer,
+    collect,
+    new_id,
+    sse_events,
+    total_usage,
+)
 from ember_runtime.server.schemas import (
+    MAX_PROMPTS,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -60,24 +75,42 @@ async def list_models(state: StateDep) -> ModelList:
 @api.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     _refuse_unsupported(body)
-    if body.echo and not isinstance(body.prompt, str):
-        raise APIError(400, "echo needs a text prompt here", param="echo", code="unsupported")
     if body.echo and body.logprobs is not None:
         # OpenAI would score the echoed prompt tokens too; the engine keeps no prompt logits.
         raise APIError(
             400, "echo together with logprobs is not supported", param="echo", code="unsupported"
         )
-    if isinstance(body.prompt, str):
-        if not body.prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
-        tokens = state.engine.tokenize(body.prompt, add_special=True)
+    choices = []
+    for text, tokens in _prompts(body.prompt, state):
+        if body.echo and text is None:
+            raise APIError(400, "echo needs a text prompt here", param="echo", code="unsupported")
+        params = _sampling(
+            body, tokens, state, default_max=_DEFAULT_COMPLETION_TOKENS, logprobs=body.logprobs
+        )
+        choices.append(_Choice(tokens, params, text if body.echo and text else ""))
+    return await _respond(body, choices, request, state)
+
+
+def _prompts(
+    prompt: str | list[int] | list[str] | list[list[int]], state: AppState
+) -> list[tuple[str | None, list[int]]]:
+    """Each prompt of a completions request as (its text, or None for token ids; its tokens),
+    in order: OpenAI answers one choice per prompt, `index` matching."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        prompts: list[str | list[int]] = [prompt]  # type: ignore[list-item]
     else:
-        tokens = _checked_token_ids(body.prompt, state)
-    params = _sampling(
-        body, tokens, state, default_max=_DEFAULT_COMPLETION_TOKENS, logprobs=body.logprobs
-    )
-    echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
-    return await _respond(body, tokens, params, request, state, echo=echo)
+        prompts = list(prompt)
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    out: list[tuple[str | None, list[int]]] = []
+    for one in prompts:
+        if isinstance(one, str):
+            if not one:
+                raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
+            out.append((one, state.engine.tokenize(one, add_special=True)))
+        else:
+            out.append((None, _checked_token_ids(one, state)))
+    return out
 
 
 @api.post("/v1/chat/completions", response_model=None)
@@ -108,7 +141,7 @@ async def chat_completions(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         grammar=_grammar(body, state),
     )
-    return await _respond(body, tokens, params, request, state)
+    return await _respond(body, [_Choice(tokens, params)], request, state)
 
 
 def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -279,59 +312,106 @@ def _bias_pair(entry: list[Any]) -> tuple[int | str, float | bool]:
     return entry[0], value
 
 
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    tokens: list[int]
+    params: SamplingParams
+    echo: str = ""
+
+
+def _submit(choices: list[_Choice], state: AppState) -> list[GenerationStream]:
+    """Every choice into the engine's queue, or none: a full queue (429) for a later one
+    cancels those already in."""
+    streams: list[GenerationStream] = []
+    try:
+        for choice in choices:
+            streams.append(state.engine.submit(choice.tokens, choice.params))
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise
+    return streams
+
+
 async def _respond(
     body: CompletionRequest | ChatCompletionRequest,
-    tokens: list[int],
-    params: SamplingParams,
+    choices: list[_Choice],
     request: Request,
     state: AppState,
-    *,
-    echo: str = "",
 ) -> Response:
-    chat = isinstance(body, ChatCompletionRequest)
-    engine_stream = state.engine.submit(tokens, params)  # QueueFullError -> 429 right here
-    gen = Generation(engine_stream, state.metrics, state.request_timeout, request)
+    streams = _submit(choices, state)  # QueueFullError -> 429 right here
+    gens = [Generation(s, state.metrics, state.request_timeout) for s in streams]
     model = state.engine.info.model_id
-    top = params.logprobs
     if body.stream:
-        framer = SSEFramer(
-            chat=chat, model=model, include_usage=body.include_usage, logprobs=top, echo=echo
-        )
+        chat = isinstance(body, ChatCompletionRequest)
+        ident = new_id("chatcmpl" if chat else "cmpl")
+        framers = [
+            SSEFramer(
+                chat=chat,
+                model=model,
+                include_usage=body.include_usage,
+                logprobs=c.params.logprobs,
+                echo=c.echo,
+                index=i,
+                ident=ident,
+            )
+            for i, c in enumerate(choices)
+        ]
         return StreamingResponse(
-            sse_events(gen, framer),
+            sse_events(gens, framers),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    outcome = await gen.collect()
-    if outcome.finish_reason == "timeout":
-        raise APIError(504, outcome.error or "timeout", code="timeout")
-    if outcome.finish_reason in (FinishReason.ERROR.value, FinishReason.CANCELLED.value):
-        raise APIError(500, outcome.error or "generation was interrupted", code="engine_error")
-    text, reason = "".join(outcome.text), outcome.finish_reason
-    created = int(time.time())
-    if chat:
-        choice = ChatChoice(
-            message=ChatMessageOut(content=text),
-            finish_reason=reason,
-            logprobs=None if top is None else logprobs.chat(outcome.logprobs),
+    outcomes = await collect(gens, request)
+    for outcome in outcomes:
+        if outcome.finish_reason == "timeout":
+            raise APIError(504, outcome.error or "timeout", code="timeout")
+        if outcome.finish_reason in (FinishReason.ERROR.value, FinishReason.CANCELLED.value):
+            raise APIError(500, outcome.error or "generation was interrupted", code="engine_error")
+    if isinstance(body, ChatCompletionRequest):
+        return _chat_reply(choices, outcomes, model, gens)
+    return _completion_reply(choices, outcomes, model, gens)
+
+
+def _chat_reply(
+    choices: list[_Choice], outcomes: list[Outcome], model: str, gens: list[Generation]
+) -> JSONResponse:
+    out = [
+        ChatChoice(
+            index=i,
+            message=ChatMessageOut(content="".join(o.text)),
+            finish_reason=o.finish_reason,
+            logprobs=None if c.params.logprobs is None else logprobs.chat(o.logprobs),
         )
-        reply = ChatCompletionResponse(
-            id=new_id("chatcmpl"), created=created, model=model, choices=[choice], usage=gen.usage
-        )
-        return JSONResponse(reply.model_dump())
-    completion = CompletionResponse(
-        id=new_id("cmpl"),
-        created=created,
+        for i, (c, o) in enumerate(zip(choices, outcomes, strict=True))
+    ]
+    reply = ChatCompletionResponse(
+        id=new_id("chatcmpl"),
+        created=int(time.time()),
         model=model,
-        choices=[
-            CompletionChoice(
-                text=echo + text,
-                finish_reason=reason,
-                logprobs=None
-                if top is None
-                else logprobs.completion(outcome.logprobs, len(echo), top=top),
-            )
-        ],
-        usage=gen.usage,
+        choices=out,
+        usage=total_usage(gens),
     )
-    return JSONResponse(completion.model_dump())
+    return JSONResponse(reply.model_dump())
+
+
+def _completion_reply(
+    choices: list[_Choice], outcomes: list[Outcome], model: str, gens: list[Generation]
+) -> JSONResponse:
+    out = []
+    for i, (c, o) in enumerate(zip(choices, outcomes, strict=True)):
+        top = c.params.logprobs
+        lp = None if top is None else logprobs.completion(o.logprobs, len(c.echo), top=top)
+        out.append(
+            CompletionChoice(
+                index=i, text=c.echo + "".join(o.text), finish_reason=o.finish_reason, logprobs=lp
+            )
+        )
+    reply = CompletionResponse(
+        id=new_id("cmpl"),
+        created=int(time.time()),
+        model=model,
+        choices=out,
+        usage=total_usage(gens),
+    )
+    return JSONResponse(reply.model_dump())

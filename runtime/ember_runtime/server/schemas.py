@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ember_runtime.thermal.governor import DEFAULT_OVERRIDE_SECONDS, MAX_OVERRIDE_SECONDS
 
 MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a sequence in the queue)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bounds
 MAX_TOP_LOGPROBS = 20
 
@@ -125,7 +126,8 @@ class _Sampling(_Request):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    # OpenAI's four forms: a string, token ids, a list of strings, a list of token-id lists.
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Any = None
