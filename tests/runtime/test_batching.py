@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ember_runtime.engines.base import QueueFullError, SamplingParams
@@ -124,6 +125,36 @@ async def test_unified_pool_shares_a_running_prompt(model_path: Path) -> None:
         assert second.strip()
         assert total > shared + 3
         assert sum(seen) == total  # the head once, then only the tail: not shared + total
+    finally:
+        await engine.stop()
+
+
+async def test_copies_of_one_prompt_compute_it_once(model_path: Path) -> None:
+    # n > 1 (or the same prompt again) submitted at once: the first computes the prompt, the
+    # rest wait one prefill and share its cells, decoding only their last prompt token.
+    seen: list[int] = []
+    engine = LlamaCppEngine(
+        model_path,
+        context_length=256,
+        capacity=4,
+        threads=1,
+        max_queue=8,
+        kv_unified=True,
+        observer=lambda stats: seen.append(stats.prompt_tokens),
+    )
+    await engine.start()
+    try:
+        tokens = engine.tokenize(PROMPTS[5], add_special=True)
+        params = SamplingParams(max_tokens=3, temperature=1.0)
+        streams = [engine.submit(tokens, params) for _ in range(4)]  # all queued in one go
+
+        async def drain(stream: Any) -> list[Any]:
+            return [delta async for delta in stream]
+
+        outs = await asyncio.gather(*(drain(s) for s in streams))
+        assert all(out[-1].finish_reason is not None for out in outs)
+        assert len(tokens) > 20
+        assert sum(seen) == len(tokens) + 3  # once, then one token per copy: not 4 x
     finally:
         await engine.stop()
 

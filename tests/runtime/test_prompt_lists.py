@@ -1,6 +1,7 @@
 """`/v1/completions` takes every prompt form OpenAI allows, through the `openai` client on the
 real engine: a string, token ids, a list of strings, a list of token-id lists; one choice per
-prompt, in order, `index` matching (LangChain's `OpenAI` class sends a one-element list)."""
+prompt, in order, `index` matching (LangChain's `OpenAI` class sends a one-element list); and
+`n` samples of each."""
 
 from __future__ import annotations
 
@@ -92,3 +93,29 @@ async def test_bad_prompt_lists_are_a_400_naming_prompt(
         r = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+async def test_n_samples_per_prompt_in_openai_order(server: LiveServer) -> None:
+    async with api(server) as client:
+        reply = await client.completions.create(
+            model=MODEL, prompt=PROMPTS[:2], n=3, max_tokens=8, temperature=1.0, seed=7, echo=True
+        )
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4
+        )
+    assert [c.index for c in reply.choices] == list(range(6))
+    for i, choice in enumerate(reply.choices):
+        assert choice.text.startswith(PROMPTS[i // 3])  # index = prompt x n + sample
+    texts = [c.text for c in reply.choices]
+    # seed + j per sample: not n copies of one draw (both prompts alike would be ~1e-6)
+    assert len(set(texts[:3])) > 1 or len(set(texts[3:])) > 1
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+async def test_n_times_prompts_is_bounded(server: LiveServer) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        r = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": ["a", "b", "c"], "n": 22}
+        )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "n"

@@ -651,8 +651,7 @@ class LlamaCppEngine:
                 joining = admissible(
                     len(self._running), len(self._pending), self._max_batch, len(self._free_ids)
                 )
-                for _ in range(joining):
-                    self._admit(self._pending.popleft())
+                self._admit_some(joining)
                 if self._running:
                     self._compact()
                     return True
@@ -669,6 +668,26 @@ class LlamaCppEngine:
         done = [s for s in self._running if s.stream.cancelled]
         for seq in done:
             self._finish(seq, Delta("", 0, FinishReason.CANCELLED), deliver_now=True)
+
+    def _admit_some(self, joining: int) -> None:
+        """Admit up to `joining` pending requests in order, holding back one whose prompt a
+        running request is still computing (the samples of an `n` > 1 request, or a retry):
+        once that prompt is in the KV pool it is shared, and only the last token is decoded
+        again (`_share_live_prefix`), instead of every copy computing the whole prompt."""
+        held: list[_Sequence] = []
+        while joining and self._pending:
+            seq = self._pending.popleft()
+            if self._computing(seq.prompt):
+                held.append(seq)
+                continue
+            self._admit(seq)
+            joining -= 1
+        self._pending.extendleft(reversed(held))
+
+    def _computing(self, prompt: list[int]) -> bool:
+        if not (self._unified and self._prefix_cache):
+            return False  # nothing would be shared: no reason to wait
+        return any(r.prefilled < len(r.prompt) and r.prompt == prompt for r in self._running)
 
     def _admit(self, seq: _Sequence) -> None:
         seq.seq_id, reused = self._pick_slot(seq.prompt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -29,6 +29,7 @@ from ember_runtime.server.generation import (
     total_usage,
 )
 from ember_runtime.server.schemas import (
+    MAX_CHOICES,
     MAX_PROMPTS,
     ChatChoice,
     ChatCompletionRequest,
@@ -88,7 +89,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
             body, tokens, state, default_max=_DEFAULT_COMPLETION_TOKENS, logprobs=body.logprobs
         )
         choices.append(_Choice(tokens, params, text if body.echo and text else ""))
-    return await _respond(body, choices, request, state)
+    return await _respond(body, _times_n(choices, body.n), request, state)
 
 
 def _prompts(
@@ -141,7 +142,7 @@ async def chat_completions(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         grammar=_grammar(body, state),
     )
-    return await _respond(body, [_Choice(tokens, params)], request, state)
+    return await _respond(body, _times_n([_Choice(tokens, params)], body.n), request, state)
 
 
 def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -317,6 +318,20 @@ class _Choice:
     tokens: list[int]
     params: SamplingParams
     echo: str = ""
+
+
+def _times_n(choices: list[_Choice], n: int) -> list[_Choice]:
+    """`n` samples of every prompt, in OpenAI's order (index = prompt x n + sample). With a
+    `seed`, sample j draws with seed + j: the same seed for all would give n equal choices."""
+    if len(choices) * n > MAX_CHOICES:
+        raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}", param="n")
+    out = []
+    for choice in choices:
+        for j in range(n):
+            seed = choice.params.seed
+            params = choice.params if seed is None else replace(choice.params, seed=seed + j)
+            out.append(replace(choice, params=params))
+    return out
 
 
 def _submit(choices: list[_Choice], state: AppState) -> list[GenerationStream]:

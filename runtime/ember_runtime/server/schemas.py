@@ -19,6 +19,7 @@ from ember_runtime.thermal.governor import DEFAULT_OVERRIDE_SECONDS, MAX_OVERRID
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a sequence in the queue)
+MAX_CHOICES = 64  # prompts x n: each choice is a sequence of its own in the engine's queue
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bounds
 MAX_TOP_LOGPROBS = 20
 
@@ -64,7 +65,7 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     # llama-server's sampling fields, with its meaning (docs/sampling.md); defaults change nothing.
     top_k: int = 0  # <= 0: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
