@@ -96,7 +96,7 @@ test: install cluster-build llama-server lint crds-check ## the whole suite CI r
 	$(VENV)/bin/pytest -p no:cacheprovider -ra
 
 test-unit: install ## tests that need no cluster
-	$(VENV)/bin/pytest -p no:cacheprovider -ra -m "not cluster and not node" --ignore=tests/smoke
+	$(VENV)/bin/pytest -p no:cacheprovider -ra -m "not cluster and not node"
 
 demo: cluster-up ## the main job: local cluster + Ember + a small model answering a request
 	$(PY) -m tests.demo

@@ -117,11 +117,11 @@ from bench.runtime_bench import (
     RequestStats,
     Server,
     _level_result,
-    free_port,
     one_request,
     request_body,
     run_clients,
 )
+from tests.support.net import free_port
 
 LEVELS = (8, 32, 64)
 # Ember's engine.deviceSampling is `auto`: every layer offloaded, so each request's chain runs

@@ -227,9 +227,11 @@ def _ignore_for(root: Path) -> Callable[[str, list[str]], set[str]]:
 
 
 def copy_tree(dest: Path) -> None:
-    """runtime/ and bench/ as they are in this checkout, without caches and bench results."""
-    for name in ("runtime", "bench"):
+    """runtime/, bench/ and the test-support package the benchmarks import, as they are in
+    this checkout, without caches and bench results."""
+    for name in ("runtime", "bench", "tests/support"):
         shutil.copytree(REPO / name, dest / name, ignore=_ignore_for(REPO), symlinks=True)
+    shutil.copy2(REPO / "tests" / "__init__.py", dest / "tests" / "__init__.py")
 
 
 def art_parts(art: Path) -> list[Path]:

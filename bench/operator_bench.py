@@ -54,9 +54,10 @@ from bench.machine import steal_seconds
 from tests.cluster.cluster import COMPONENTS, Cluster
 from tests.cluster.fleet import node_manifest
 from tests.cluster.paths import state_dir
-from tests.cluster.procs import ProcessTable, free_port
+from tests.cluster.procs import ProcessTable
 from tests.operator import rest
 from tests.operator.specs import fleet_manifest
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE_PREFIX = "bench-"

@@ -53,7 +53,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -67,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.llama_server_build import ensure_llama_server
 from bench.machine import steal_seconds
+from tests.support.net import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CTX_PER_SEQ = 512
@@ -256,13 +256,6 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def pct(values: list[float], q: float) -> float:

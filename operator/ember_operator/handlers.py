@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
-from ember_runtime.config import REASON_CRITICAL, parse_thermal_condition
+from ember_runtime.config import REASON_CRITICAL
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -414,6 +414,14 @@ def _window(ctx: Context, indexes: Mapping[str, Any], key: tuple[str, str]) -> f
         return None
 
 
+def _critical(indexes: Mapping[str, Any], key: tuple[str, str], pod: str) -> bool:
+    """The replica's own thermal report says Critical: read from the pod index, where the
+    condition was parsed once for this event (Kopf updates indexes before handlers run)."""
+    summary = next((p for p in pods_of(indexes, key) if p.get("pod") == pod), None)
+    thermal = (summary or {}).get("thermal") or {}
+    return bool(thermal.get("reason") == REASON_CRITICAL)
+
+
 @kopf.on.event("v1", "pods", labels=CHILD_LABELS)
 async def pod_event(**kwargs: Any) -> None:
     """A replica changed (readiness, its thermal condition, deletion): refresh the owner's
@@ -435,9 +443,9 @@ async def pod_event(**kwargs: Any) -> None:
         if gone:
             ctx.hot.forget_pod(replica)
         else:
-            reading = parse_thermal_condition((body.get("status") or {}).get("conditions"))
-            critical = reading is not None and reading.reason == REASON_CRITICAL
-            ctx.hot.observe_pod(replica, critical, _window(ctx, kwargs, key))
+            ctx.hot.observe_pod(
+                replica, _critical(kwargs, key, replica.pod), _window(ctx, kwargs, key)
+            )
     _remember_indexes(ctx, kwargs)
     ctx.refreshes.mark(key)
 

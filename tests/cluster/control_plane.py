@@ -15,7 +15,9 @@ import yaml
 
 from tests.cluster.build import ETCD_VERSION, log
 from tests.cluster.pki import PKI, CertSpec
-from tests.cluster.procs import ProcessTable, free_port, wait_for
+from tests.cluster.procs import ProcessTable
+from tests.support.net import free_port
+from tests.support.waiting import wait_for
 
 SERVICE_CIDR = "10.96.0.0/16"
 NODE_NAME = "ember-node"
@@ -296,6 +298,8 @@ class ControlPlane:
             self.ready,
             timeout=90,
             on_fail=self.procs.tail("kube-apiserver") + self.procs.tail("etcd"),
+            interval=0.1,
+            tolerate=(Exception,),
         )
         self.start_controllers()
         log(f"control plane ready at {self.eps.server_url}")

@@ -16,7 +16,8 @@ from typing import Any
 from kubernetes import client, utils
 
 from tests.cluster.control_plane import ControlPlane
-from tests.cluster.procs import ProcessTable, free_port
+from tests.cluster.procs import ProcessTable
+from tests.support.net import free_port
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 SIM_TAINT = {"key": "ember.dev/simulated", "value": "true", "effect": "NoSchedule"}

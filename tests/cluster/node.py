@@ -23,7 +23,9 @@ from tests.cluster.build import log
 from tests.cluster.control_plane import HOST_IP, NODE_NAME, ControlPlane, remove_host_address
 from tests.cluster.images import BASE_IMAGE, PAUSE_IMAGE, ensure_images
 from tests.cluster.pki import CertSpec
-from tests.cluster.procs import ProcessTable, free_port, wait_for
+from tests.cluster.procs import ProcessTable
+from tests.support.net import free_port
+from tests.support.waiting import wait_for
 
 KUBELET_ROOT = Path("/var/lib/kubelet")
 DEVICE_PLUGIN_DIR = KUBELET_ROOT / "device-plugins"
@@ -116,6 +118,8 @@ class Node:
             lambda: self.ctr("version").returncode == 0,
             timeout=30,
             on_fail=self.procs.tail("containerd"),
+            interval=0.1,
+            tolerate=(Exception,),
         )
 
     def import_images(self) -> None:
@@ -223,6 +227,8 @@ class Node:
             self.node_ready,
             timeout=120,
             on_fail=self.procs.tail("kubelet", 60),
+            interval=0.1,
+            tolerate=(Exception,),
         )
         log(f"node {NODE_NAME} Ready")
 

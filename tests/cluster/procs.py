@@ -5,17 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.support.net import free_port, port_open
+from tests.support.waiting import wait_for
 
 
 def pid_alive(pid: int) -> bool:
@@ -93,22 +89,6 @@ class ProcessTable:
             return ""
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout: float, on_fail: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            if check():
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}\n{on_fail}")
-
-
-def port_open(port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-        return True
-    return False
-
-
 @contextlib.contextmanager
 def port_forward(
     kubectl: str, kubeconfig: Path, service: str, namespace: str, port: int
@@ -120,7 +100,7 @@ def port_forward(
     cmd += [f"svc/{service}", f"{local}:{port}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        wait_for("kubectl port-forward", lambda: port_open(local), timeout=30)
+        wait_for("kubectl port-forward", lambda: port_open(local), timeout=30, interval=0.1)
         yield local
     finally:
         proc.terminate()

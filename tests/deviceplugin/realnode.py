@@ -14,13 +14,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from ember_runtime.deviceplugin.allocator import Checkpoint
+
+from tests.support.waiting import wait_for
 
 if importlib.util.find_spec("ember_runtime.deviceplugin.api.api_pb2") is None:
     # The plugin process needs the gRPC stubs (`make protos`); callers outside
@@ -33,17 +34,6 @@ RESOURCE = "ember.dev/npu"
 DEVICES = 2
 CONTEXTS = 4
 REGISTERED = f"registered {RESOURCE} with the kubelet"  # the plugin's log line on success
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture

@@ -12,7 +12,9 @@ import pytest
 from ember_runtime.deviceplugin.podresources import PodResourcesClient
 from kubernetes import client
 
-from .realnode import CONTEXTS, DEVICES, RESOURCE, live_contexts, plugin, wait_for
+from tests.support.waiting import wait_for
+
+from .realnode import CONTEXTS, DEVICES, RESOURCE, live_contexts, plugin
 
 __all__ = ["plugin"]  # the plugin process fixture, requested by name below
 

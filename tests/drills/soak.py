@@ -8,7 +8,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.net import free_port
+
 PROMPTS = (
     "Once upon a time",
     "The capital of France is",
@@ -26,13 +27,6 @@ PROMPTS = (
     "Explain what a kernel does in one sentence.",
 )
 METRIC_RE = re.compile(r"^(ember_[a-z_]+)(?:\{([^}]*)\})? (\S+)$", re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -32,9 +32,9 @@ from tests.deviceplugin.realnode import (
     kubelet_pods,
     live_contexts,
     npu_capacity,
-    wait_for,
 )
 from tests.drills.common import record, scale, table
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.node
 

@@ -34,7 +34,8 @@ from ember_operator import quantity
 from ember_runtime.models import MODEL_SHA256, default_model_path
 
 from tests.cluster.images import PAUSE_IMAGE
-from tests.cluster.procs import port_forward, wait_for
+from tests.cluster.procs import port_forward
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ember"
@@ -246,7 +247,7 @@ class Flow:
                 obj = json.loads(self.run_kubectl("get", "node", node, "-o", "json"))
                 return str(obj["status"].get("allocatable", {}).get("ember.dev/npu")) == str(units)
 
-            wait_for("ember.dev/npu capacity", advertised, timeout=timeout)
+            wait_for("ember.dev/npu capacity", advertised, timeout, 0.1, tolerate=(Exception,))
 
     # -- the model -----------------------------------------------------------------------
     def model_manifest(

@@ -4,8 +4,7 @@ the operator running in-process under `kopf.testing.KopfRunner`."""
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,20 +34,6 @@ def crd(kube: Any) -> Any:
         "crd/inferencedeployments.ember.dev",
     )
     return kube
-
-
-def wait_for(
-    what: str, probe: Callable[[], Any], timeout: float = 60.0, interval: float = 0.25
-) -> Any:
-    """Poll until probe() is truthy; fail with the last value seen."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 @contextmanager

@@ -27,9 +27,9 @@ from tests.conftest import Kube
 from tests.e2e.flow import table_columns
 from tests.nodeagent.origin import OriginState, serve
 from tests.operator import rest
-from tests.operator.conftest import wait_for
 from tests.operator.specs import manifest
 from tests.operator.test_node_reasons import RESOURCES, runtime_image  # noqa: F401 - fixture
+from tests.support.waiting import wait_for
 from tests.thermal.kube_support import chart_objects, kubectl_apply, token_dir
 
 pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]

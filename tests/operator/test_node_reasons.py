@@ -23,8 +23,8 @@ from tests.cluster.ember_images import IMAGES, build_image
 from tests.conftest import Kube, NodeHandle
 from tests.e2e.flow import table_columns
 from tests.operator import rest
-from tests.operator.conftest import wait_for
 from tests.operator.specs import hostpath_model, manifest
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]
 

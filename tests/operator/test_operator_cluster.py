@@ -23,8 +23,9 @@ from ember_runtime.prewarm import cachewait
 from ember_runtime.prewarm.errors import ChecksumMismatch
 
 from tests.operator import rest
-from tests.operator.conftest import running_operator, wait_for
+from tests.operator.conftest import running_operator
 from tests.operator.specs import SHA, fleet_manifest, manifest
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -39,8 +38,9 @@ from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest, wai
 from tests.conftest import Kube
 from tests.e2e.flow import REFUSED
 from tests.operator import rest
-from tests.operator.conftest import wait_for
 from tests.operator.specs import fleet_manifest
+from tests.support.net import free_port
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -50,18 +50,12 @@ PRIVATE = {"key": "ember.dev/rbac-test", "value": "true", "effect": "NoSchedule"
 RBAC_TEMPLATES = ("templates/rbac.yaml", "templates/serviceaccount.yaml")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def render(namespace: str, *values: str) -> list[dict[str, Any]]:
     """The chart's RBAC objects and operator Deployment, as `helm install` would create them."""
     argv = [str(ensure_binaries() / "helm"), "template", RELEASE, str(CHART)]
     argv += ["--namespace", namespace, "--kube-version", "1.36.3"]
-    argv += ["--set", f"operator.metricsPort={_free_port()}"]
-    argv += ["--set", f"operator.livenessPort={_free_port()}"]
+    argv += ["--set", f"operator.metricsPort={free_port()}"]
+    argv += ["--set", f"operator.livenessPort={free_port()}"]
     for value in values:
         argv += ["--set", value]
     for template in (*RBAC_TEMPLATES, "templates/operator-deployment.yaml"):

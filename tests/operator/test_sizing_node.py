@@ -25,9 +25,9 @@ from tests.cluster.paths import bin_dir
 from tests.cluster.procs import port_forward
 from tests.conftest import Kube
 from tests.operator import rest
-from tests.operator.conftest import wait_for
 from tests.operator.specs import hostpath_model, manifest
 from tests.operator.test_node_reasons import MODELS, runtime_image  # noqa: F401 - fixture
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]
 

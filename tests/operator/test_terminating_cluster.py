@@ -21,7 +21,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tests.conftest import Kube
-from tests.operator.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -26,8 +26,8 @@ from ember_runtime.config import THERMAL_CONDITION, RuntimeConfig
 
 from tests.e2e.flow import table_columns
 from tests.operator import rest
-from tests.operator.conftest import wait_for
 from tests.operator.specs import fleet_manifest
+from tests.support.waiting import wait_for
 from tests.thermal.conftest import FakeThermalTree
 from tests.thermal.kube_support import (
     TcpProxy,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.runtime.conftest import API_KEY, CAPACITY, CONTEXT, LiveServer
+from tests.support.waiting import wait_async
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -77,13 +77,6 @@ async def test_unknown_route_is_openai_404(server: LiveServer) -> None:
     assert_openai_error(response, 404)
 
 
-async def wait_for(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 async def test_disconnect_frees_the_slot(server: LiveServer) -> None:
     engine = server.state.engine
     body = {"prompt": "Tell me a very long story.", "max_tokens": 400, "temperature": 0}
@@ -99,13 +92,13 @@ async def test_disconnect_frees_the_slot(server: LiveServer) -> None:
                 break
         assert engine.state().active == 1
     # leaving the block closed the connection mid-stream
-    await wait_for(lambda: engine.state().active == 0, timeout=5)
+    await wait_async("the slot freed", lambda: engine.state().active == 0, timeout=5)
 
     # the same for a non-streaming request whose client gives up
     async with httpx.AsyncClient(base_url=server.url, timeout=0.5) as client:
         with pytest.raises(httpx.ReadTimeout):
             await client.post("/v1/completions", json=body)
-    await wait_for(lambda: engine.state().active == 0, timeout=5)
+    await wait_async("the slot freed", lambda: engine.state().active == 0, timeout=5)
     async with httpx.AsyncClient(base_url=server.url) as client:
         metrics = (await client.get("/metrics")).text
     assert 'ember_generations_finished_total{reason="cancelled"}' in metrics
@@ -184,7 +177,7 @@ async def test_request_timeout_is_504(guarded: LiveServer) -> None:
     events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert '"code": "timeout"' in events[-2]
     assert events[-1] == "data: [DONE]"
-    await wait_for(lambda: state.engine.state().active == 0, timeout=5)
+    await wait_async("the slot freed", lambda: state.engine.state().active == 0, timeout=5)
 
 
 async def test_api_key_protects_admin_and_api(guarded: LiveServer) -> None:
@@ -210,7 +203,7 @@ async def test_probes_models_metrics_and_temperature(server: LiveServer) -> None
         health = await client.get("/healthz")
         ready = await client.get("/readyz")
         models = (await client.get("/v1/models")).json()
-        await wait_for(lambda: bool(server.state.temperatures))
+        await wait_async("a temperature", lambda: bool(server.state.temperatures))
         state = (await client.get("/admin/state")).json()
         metrics = (await client.get("/metrics")).text
     assert health.status_code == 200

@@ -12,7 +12,6 @@ end-of-turn stop shows up here as different tokens.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from ember_runtime.engines.base import ChatMessage
 
 from bench.llama_server_build import ensure_llama_server
 from tests.runtime.conftest import CONTEXT, LiveServer
+from tests.support.net import free_port
 
 DEMO_QUESTION = "In one sentence, why do edge devices throttle when they get hot?"  # make demo
 CONVERSATIONS: list[list[dict[str, str]]] = [
@@ -46,7 +46,7 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 def llama_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     binary = ensure_llama_server()  # built once from the same llama.cpp as the bindings
     log = (tmp_path_factory.mktemp("llama-server") / "log").open("wb")
-    port = _free_port()
+    port = free_port()
     argv = [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["-t", "1", "-c", str(CONTEXT), "-np", "1", "--no-repack"]
     argv += ["--no-jinja", "--chat-template", "gemma"]
@@ -59,13 +59,6 @@ def llama_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:

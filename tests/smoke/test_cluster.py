@@ -14,6 +14,9 @@ from kubernetes import client, utils
 
 from tests.cluster.fleet import SIM_TOLERATION
 from tests.conftest import Kube, NodeHandle
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.cluster  # the node tests are marked `node` too
 
 WIDGET_CRD = {
     "apiVersion": "apiextensions.k8s.io/v1",
@@ -47,15 +50,6 @@ WIDGET_CRD = {
 }
 
 
-def wait_until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def crd_established(kube: Kube, name: str) -> bool:
     crd = client.ApiextensionsV1Api(kube.api).read_custom_resource_definition(name)
     conds = (crd.status.conditions if crd.status else None) or []
@@ -68,7 +62,7 @@ def widget_crd(kube: Kube) -> str:
         utils.create_from_dict(kube.api, WIDGET_CRD)
     except utils.FailToCreateError as exc:
         assert all(e.status == 409 for e in exc.api_exceptions)
-    wait_until("Widget CRD Established", lambda: crd_established(kube, "widgets.smoke.ember.dev"))
+    wait_for("Widget CRD Established", lambda: crd_established(kube, "widgets.smoke.ember.dev"))
     return "widgets.smoke.ember.dev"
 
 
@@ -115,9 +109,9 @@ def test_kopf_operator_round_trip(
             )
             return bool(obj.get("status", {}).get("doubled") == 42)
 
-        wait_until("the operator to patch status.doubled", doubled, timeout=30)
+        wait_for("the operator to patch status.doubled", doubled, timeout=30)
         custom.delete_namespaced_custom_object("smoke.ember.dev", "v1", namespace, "widgets", "w1")
-        wait_until(
+        wait_for(
             "the finalizer to release the object",
             lambda: not widgets(custom, namespace),
             timeout=30,
@@ -144,6 +138,7 @@ def pod_phase(kube: Kube, namespace: str, name: str) -> str:
     return str(pod_status(kube, namespace, name).phase)
 
 
+@pytest.mark.node
 def test_pod_runs_to_completion_on_real_node(node: NodeHandle, kube: Kube, namespace: str) -> None:
     pod = {
         "apiVersion": "v1",
@@ -167,9 +162,7 @@ def test_pod_runs_to_completion_on_real_node(node: NodeHandle, kube: Kube, names
         },
     }
     utils.create_from_dict(kube.api, pod, namespace=namespace)
-    wait_until(
-        "pod hello Succeeded", lambda: pod_phase(kube, namespace, "hello") == "Succeeded", 90
-    )
+    wait_for("pod hello Succeeded", lambda: pod_phase(kube, namespace, "hello") == "Succeeded", 90)
     logs = kube.core.read_namespaced_pod_log("hello", namespace)
     assert logs.startswith("hello from 3.")
 
@@ -185,6 +178,7 @@ SIDECAR = (
 MAIN = SIDECAR.replace("'sidecar up'", "open('/work/ready').read()")
 
 
+@pytest.mark.node
 def test_init_and_native_sidecar(node: NodeHandle, kube: Kube, namespace: str) -> None:
     image = {"image": node.base_image, "imagePullPolicy": "Never"}
     pod = {
@@ -227,7 +221,7 @@ def test_init_and_native_sidecar(node: NodeHandle, kube: Kube, namespace: str) -
         running = {s.name for s in states if s.state and s.state.running}
         return running >= {"side", "main"}
 
-    wait_until("sidecar and main running", all_running, 90)
+    wait_for("sidecar and main running", all_running, 90)
 
     # "Running" means the process was started, not that Python has printed yet:
     # a loaded CI machine once read main's log before its first line (empty).
@@ -235,8 +229,8 @@ def test_init_and_native_sidecar(node: NodeHandle, kube: Kube, namespace: str) -
         read = kube.core.read_namespaced_pod_log
         return lambda: text in read("sidecar", namespace, container=container)
 
-    wait_until("main to log the init container's file", logged("main", "prepared"), 30)
-    wait_until("the sidecar's first line", logged("side", "sidecar up"), 30)
+    wait_for("main to log the init container's file", logged("main", "prepared"), 30)
+    wait_for("the sidecar's first line", logged("side", "sidecar up"), 30)
     # Both handle SIGTERM, so deletion completes well inside the 30 s grace period.
     start = time.monotonic()
     kube.core.delete_namespaced_pod("sidecar", namespace)
@@ -248,10 +242,11 @@ def test_init_and_native_sidecar(node: NodeHandle, kube: Kube, namespace: str) -
             return bool(exc.status == 404)
         return False
 
-    wait_until("pod deletion", gone, 60)
+    wait_for("pod deletion", gone, 60)
     assert time.monotonic() - start < 20
 
 
+@pytest.mark.node
 def test_device_plugin_socket_exists(node: NodeHandle) -> None:
     assert (node.device_plugin_dir / "kubelet.sock").is_socket()
     assert node.pod_resources_socket.is_socket()
@@ -296,7 +291,7 @@ def test_fleet_of_200_nodes_takes_a_200_replica_deployment(
             if n.status
         )
 
-    wait_until("200 kwok nodes Ready", lambda: ready_nodes() >= 200, 120)
+    wait_for("200 kwok nodes Ready", lambda: ready_nodes() >= 200, 120)
     deployment = yaml.safe_load(f"""
 apiVersion: apps/v1
 kind: Deployment
@@ -321,7 +316,7 @@ spec:
         dep = client.AppsV1Api(kube.api).read_namespaced_deployment("spread", namespace)
         return int(dep.status.ready_replicas or 0) if dep.status else 0
 
-    wait_until("200 replicas Ready", lambda: ready_replicas() == 200, 180)
+    wait_for("200 replicas Ready", lambda: ready_replicas() == 200, 180)
     pods = kube.core.list_namespaced_pod(namespace, label_selector="app=spread").items
     per_node = Counter(str(p.spec.node_name) for p in pods if p.spec)
     assert len(per_node) == 200, per_node.most_common(3)

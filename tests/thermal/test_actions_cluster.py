@@ -7,9 +7,8 @@ replica that prefers node A.
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from kubernetes import client
 
 from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest, wait_schedulable
 from tests.conftest import Kube
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -51,16 +51,6 @@ def two_nodes(kube: Kube) -> Iterator[tuple[str, str]]:
 
 
 # kwok starts pods late when the fleet is busy (minutes while another suite loads 1,000 pods).
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 300) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def report(core: client.CoreV1Api, node: str, reading: ThermalReading) -> None:
     """What the node agent writes: its condition, strategic-merged into the node's status."""
     cond = thermal_condition(reading, "2026-01-01T00:00:00Z")
