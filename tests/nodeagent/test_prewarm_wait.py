@@ -1,7 +1,8 @@
 """Prewarm on an http source: it waits for the node agent's cache, reports the agent's recorded
 failure as its own reason, and gives up with ModelDownloading after `model_wait_seconds`; the
 agent's fetcher fills the cache from the pods it is shown. No cluster: the real cache, a real
-origin, real files."""
+origin, real files. Prewarm reads the agent's per-digest views (nodeagent/views.py), which a
+thread keeps in step with the cache here as the agent's loop does."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import io
 import json
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from ember_runtime import reasons
 from ember_runtime.config import MODEL_FETCH_ANNOTATION, ModelFile, RuntimeConfig
 from ember_runtime.nodeagent.cache import ContentCache, FetchError
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
+from ember_runtime.nodeagent.views import DigestViews
 from ember_runtime.prewarm import cachewait
 from ember_runtime.prewarm.cachewait import wait_for_cache
 from ember_runtime.prewarm.errors import PrewarmError
@@ -30,10 +33,30 @@ DATA = os.urandom(300_000)
 SHA = hashlib.sha256(DATA).hexdigest()
 
 
+@pytest.fixture(autouse=True)
+def views(tmp_path: Path) -> Iterator[None]:
+    """The agent's view sync, every 10 ms, for SHA in the caches these tests use."""
+    synced = [
+        DigestViews(ContentCache(root), lambda: [SHA]) for root in (tmp_path, tmp_path / "cache")
+    ]
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(0.01):
+            for v in synced:
+                v.sync()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join()
+
+
 def _config(root: Path, sha: str = SHA, wait: float = 5.0) -> RuntimeConfig:
     return RuntimeConfig(
         model_name="m",
-        model_dir=str(root),
+        model_dir=str(root / "views"),
         model_layout="sha256",
         model_wait_seconds=wait,
         files=[ModelFile(path="m.gguf", sha256=sha, size_bytes=len(DATA))],
@@ -75,6 +98,7 @@ def test_gives_up_with_model_downloading_node_bytes_and_no_eta(
     cache = ContentCache(tmp_path)
     cache.blobs.mkdir(parents=True)
     cache.partial(SHA).write_bytes(DATA[:1000])
+    DigestViews(cache, lambda: [SHA]).sync()  # the view shows it before prewarm looks
     with pytest.raises(PrewarmError) as info:
         wait_for_cache(_config(tmp_path, wait=0.3), io.StringIO(), threading.Event(), 0.05)
     assert info.value.reason == reasons.MODEL_DOWNLOADING
@@ -90,6 +114,7 @@ def test_eta_comes_from_the_bytes_seen_growing_during_the_wait(tmp_path: Path) -
     cache = ContentCache(tmp_path)
     cache.blobs.mkdir(parents=True)
     cache.partial(SHA).write_bytes(DATA[:100_000])
+    DigestViews(cache, lambda: [SHA]).sync()
     grow = threading.Timer(0.2, lambda: cache.partial(SHA).write_bytes(DATA[:200_000]))
     grow.start()
     with pytest.raises(PrewarmError) as info:

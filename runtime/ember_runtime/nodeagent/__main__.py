@@ -29,6 +29,7 @@ from ember_runtime.nodeagent.peerauth import PeerKey
 from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.nodeagent.site import SiteConfig, SiteSharing
+from ember_runtime.nodeagent.views import DigestViews
 from ember_runtime.nodeagent.windows import Windows
 from ember_runtime.sensors import build_source
 from ember_runtime.sensors.base import TemperatureSource
@@ -199,6 +200,9 @@ async def run(settings: AgentSettings) -> None:
             labels=labels,
         )
         tasks.append(asyncio.create_task(fetcher.run()))
+        # What a replica mounts: a view per digest its pod names, never the whole cache.
+        views = DigestViews(cache, lambda: fetcher.wanted().keys())
+        tasks.append(asyncio.create_task(views.run()))
         log.info("keeping models for %s's pods in %s", settings.node_name, settings.cache_root)
     try:
         await stop.wait()

@@ -65,13 +65,18 @@ def _done_bytes(config: RuntimeConfig) -> int:
     return total
 
 
+def _beside(config: RuntimeConfig, f: ModelFile, name: str) -> Path:
+    """A line the agent keeps in the digest's view, next to `data` (`failed`, `waiting`)."""
+    return config.source_file(f).with_name(name)
+
+
 def _waiting_note(config: RuntimeConfig) -> str:
     """'; outside the download window until 22:00 UTC' when the agent says it waits."""
     for f in config.files:
         if _held(config, f):
             continue
         try:
-            note = (Path(config.model_dir) / "waiting" / f.sha256).read_text().strip()
+            note = _beside(config, f, "waiting").read_text().strip()
         except OSError:
             continue
         if note:
@@ -82,7 +87,7 @@ def _waiting_note(config: RuntimeConfig) -> str:
 def _recorded_failure(config: RuntimeConfig) -> PrewarmError | None:
     for f in config.files:
         try:
-            line = (Path(config.model_dir) / "failed" / f.sha256).read_text()
+            line = _beside(config, f, "failed").read_text()
         except OSError:
             continue
         parsed = reasons.parse_termination_message(line)
