@@ -200,6 +200,7 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
     bindings = by_kind(docs, "ValidatingAdmissionPolicyBinding")
     assert policies == {
         "ember-runtime-own-pod",
+        "ember-model-hostpath",
         "ember-nodeagent-own-node",
         "ember-nodeagent-own-metadata",
         "ember-nodeagent-own-leases",
@@ -439,6 +440,7 @@ def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
     policies = {p["metadata"]["name"] for p in by_kind(off, "ValidatingAdmissionPolicy")}
     assert policies == {
         "ember-runtime-own-pod",
+        "ember-model-hostpath",
         "ember-nodeagent-own-node",
         "ember-nodeagent-own-metadata",
     }
