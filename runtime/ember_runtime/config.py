@@ -65,6 +65,8 @@ MODEL_FETCH_ANNOTATION = "ember.dev/model-fetch"
 # agent's view holding that one file (`data`, a hard link to the verified blob), its download's
 # `data.partial`, and `failed`/`waiting` lines; never the cache itself (nodeagent/views.py).
 VIEWS_DIR = "views"
+# The node agent's live report of a waiting replica's download, on its pod (nodeagent/podprogress).
+MODEL_DOWNLOAD_CONDITION = "ember.dev/ModelDownload"
 VIEW_DATA = "data"
 # On a Node whose agent holds a file in its cache: `cache.ember.dev/<first 16 hex of the
 # sha256>: "true"` (a sha256 does not fit a label name; 64 bits tell a fleet's models apart).

@@ -182,6 +182,8 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
         # The pods on its node (by field selector), for the http sources it fetches.
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+        # Download progress on those pods: narrowed by the -own-pods policy.
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
         # Its own Node's cache labels (and, site sharing, its site's Nodes and its own
         # annotations): narrowed by the -own-metadata policy below.
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
@@ -201,6 +203,7 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
     assert policies == {
         "ember-runtime-own-pod",
         "ember-model-hostpath",
+        "ember-nodeagent-own-pods",
         "ember-nodeagent-own-node",
         "ember-nodeagent-own-metadata",
         "ember-nodeagent-own-leases",
@@ -441,6 +444,7 @@ def test_site_sharing_renders_peer_port_key_and_limits(helm: str) -> None:
     assert policies == {
         "ember-runtime-own-pod",
         "ember-model-hostpath",
+        "ember-nodeagent-own-pods",
         "ember-nodeagent-own-node",
         "ember-nodeagent-own-metadata",
     }

@@ -139,29 +139,6 @@ def test_progress_message(done: int, elapsed: float, expected: str) -> None:
     assert cachewait.progress_message("a", first, last, 3_400_000_000) == f"a: {expected}"
 
 
-def test_the_first_wait_of_a_pod_is_short_then_model_wait_seconds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A fresh pod reports ModelDownloading after FIRST_REPORT_SECONDS; its restarts (the
-    marker in its prewarm volume survives them) wait model_wait_seconds; once the files are
-    in, the marker goes."""
-    monkeypatch.setattr(cachewait, "FIRST_REPORT_SECONDS", 0.2)
-    cache = ContentCache(tmp_path / "cache")
-    cache.blobs.mkdir(parents=True)
-    shm = tmp_path / "shm"
-    config = _config(cache.root, wait=3600).model_copy(update={"prewarm_dir": str(shm)})
-    with pytest.raises(PrewarmError) as info:
-        wait_for_cache(config, io.StringIO(), threading.Event(), 0.05, "n")
-    assert info.value.reason == reasons.MODEL_DOWNLOADING
-    assert (shm / cachewait.WAIT_MARKER).exists()
-    assert cachewait.wait_seconds(config) == 3600  # the restart waits the long wait
-    cache.path(SHA).write_bytes(DATA)
-    out = io.StringIO()
-    wait_for_cache(config, out, threading.Event(), 0.05, "n")
-    assert not (shm / cachewait.WAIT_MARKER).exists()
-    assert "all files are in the node cache" in out.getvalue()
-
-
 def _pod(uid: str, base: str, sha: str) -> dict[str, Any]:
     fetch = {"files": [{"url": f"{base}/m.gguf", "sha256": sha, "sizeBytes": len(DATA)}]}
     annotations = {MODEL_FETCH_ANNOTATION: json.dumps(fetch)}

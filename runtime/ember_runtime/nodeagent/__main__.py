@@ -28,6 +28,7 @@ from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.metrics import AgentMetrics
 from ember_runtime.nodeagent.peerauth import PeerKey
 from ember_runtime.nodeagent.peerserver import PeerServer
+from ember_runtime.nodeagent.podprogress import DownloadReports
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.nodeagent.site import SiteConfig, SiteSharing
 from ember_runtime.nodeagent.views import DigestViews
@@ -211,6 +212,9 @@ async def run(settings: AgentSettings) -> None:
         # What a replica mounts: a view per digest its pod names, never the whole cache.
         views = DigestViews(cache, lambda: fetcher.wanted().keys())
         tasks.append(asyncio.create_task(views.run()))
+        # A waiting replica's progress on its pod, live (prewarm has no way to the API).
+        reports = DownloadReports(cache, reader, settings.node_name)
+        tasks.append(asyncio.create_task(reports.run()))
         if settings.cache_max_bytes:
             in_use = pods_on_node(reader, settings.node_name)
             evictor = Evictor(
