@@ -98,8 +98,8 @@ class DownloadReports:
                 message = progress_message(
                     self.node, wait.first, Observation(now, done), total, note
                 )
+                wait.reported_at = now  # a refused write is tried again in 30 s, not each tick
                 await self._write(pod, "True", reasons.MODEL_DOWNLOADING, message)
-                wait.reported_at = now
             return
         self._waiting.pop(uid, None)
         if _condition(pod).get("status") == "True":
