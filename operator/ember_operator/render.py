@@ -18,6 +18,7 @@ from ember_runtime import reasons
 from ember_runtime.config import (
     FETCH_HASH_ANNOTATION,
     INSTANCE_LABEL,
+    VIEWS_DIR,
     EngineSettings,
     ModelFile,
     RuntimeConfig,
@@ -279,16 +280,11 @@ def _prewarm_resources(
     return out
 
 
-def _model_volume(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> dict[str, Any]:
+def _model_volume(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The model volume of a hostPath, pvc or image source (an http source has digest views)."""
     source = spec.model.source
-    if source.http is not None:
-        # The node agent's cache, read-only in the pod; the agent creates it (a missing one is
-        # the kubelet's FailedMount: no agent on that node).
-        return {
-            "name": "model",
-            "hostPath": {"path": settings.node_cache_root, "type": "Directory"},
-        }
     if source.host_path is not None:
+        # Only a directory the chart's modelHostPaths.allowed lists (its admission policy).
         return {"name": "model", "hostPath": {"path": source.host_path.path, "type": "Directory"}}
     if source.pvc is not None:
         claim = {"claimName": source.pvc.claim_name, "readOnly": True}
@@ -298,25 +294,60 @@ def _model_volume(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> 
     return {"name": "model", "image": image}
 
 
+def digest_views(
+    spec: InferenceDeploymentSpec, settings: OperatorSettings
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """An http source's volumes and prewarm mounts: one per digest of its own files, the node
+    agent's view `<cache>/views/<digest>` (nodeagent/views.py), never the whole cache, which
+    holds every namespace's models. Type Directory: the agent makes a view for each pod on its
+    node that names the digest, and the kubelet retries the mount until it is there (with no
+    type, a missing path would be created by the kubelet as root). Only prewarm mounts them:
+    http requires prewarm, and the runtime reads prewarm's copy."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    root = settings.node_cache_root.rstrip("/")
+    for i, sha in enumerate(dict.fromkeys(f.sha256 for f in spec.model.files)):
+        name = f"model-{i}"
+        path = f"{root}/{VIEWS_DIR}/{sha}"  # sha256 is 64 lowercase hex (the CRD's rule)
+        volumes.append({"name": name, "hostPath": {"path": path, "type": "Directory"}})
+        mounts.append(
+            {"name": name, "mountPath": f"{settings.model_mount}/{sha}", "readOnly": True}
+        )
+    return volumes, mounts
+
+
 def _volumes_and_mounts(
     spec: InferenceDeploymentSpec, settings: OperatorSettings, name: str, sizing: Sizing
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    model_mount: dict[str, Any] = {
-        "name": "model",
-        "mountPath": settings.model_mount,
+    config_mount: dict[str, Any] = {
+        "name": "config",
+        "mountPath": settings.config_mount,
         "readOnly": True,
     }
-    if spec.model.source.pvc is not None and spec.model.source.pvc.sub_path:
-        model_mount["subPath"] = spec.model.source.pvc.sub_path
+    tmp_mount: dict[str, Any] = {"name": "tmp", "mountPath": "/tmp"}  # noqa: S108 - an emptyDir
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_name(name)}},
-        _model_volume(spec, settings),
-        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
     ]
-    config_mount = {"name": "config", "mountPath": settings.config_mount, "readOnly": True}
-    tmp_mount = {"name": "tmp", "mountPath": "/tmp"}  # noqa: S108 - a private emptyDir
-    runtime = [config_mount, model_mount, tmp_mount]
-    prewarm = [config_mount, model_mount, tmp_mount]
+    runtime: list[dict[str, Any]] = [config_mount]
+    prewarm: list[dict[str, Any]] = [config_mount]
+    if spec.model.source.http is not None:
+        views, view_mounts = digest_views(spec, settings)
+        volumes += views
+        prewarm += view_mounts
+    else:
+        model_mount: dict[str, Any] = {
+            "name": "model",
+            "mountPath": settings.model_mount,
+            "readOnly": True,
+        }
+        if spec.model.source.pvc is not None and spec.model.source.pvc.sub_path:
+            model_mount["subPath"] = spec.model.source.pvc.sub_path
+        volumes.append(_model_volume(spec))
+        runtime.append(model_mount)
+        prewarm.append(model_mount)
+    volumes.append({"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}})
+    runtime.append(tmp_mount)
+    prewarm.append(tmp_mount)
     if spec.prewarm.enabled:
         size = quantity.format_bytes(sizing.shared_memory_bytes)
         volumes.append({"name": "prewarm", "emptyDir": {"medium": "Memory", "sizeLimit": size}})

@@ -13,6 +13,7 @@ from typing import Any
 
 from ember_runtime import reasons
 from ember_runtime.config import (
+    MODEL_DOWNLOAD_CONDITION,
     REASON_POLICY_OFF,
     REASON_SENSOR_UNAVAILABLE,
     ThermalReading,
@@ -93,12 +94,30 @@ def _container_failure(
     return None
 
 
+def _download_report(pod_status: Mapping[str, Any]) -> PodFailure | None:
+    """ModelDownloading while prewarm runs and the node agent's live report on the pod says
+    it waits (`ember.dev/ModelDownload`, written every 30 s; nodeagent/podprogress.py)."""
+    running = any(
+        c.get("name") == "prewarm" and "running" in (c.get("state") or {})
+        for c in pod_status.get("initContainerStatuses") or []
+    )
+    if not running:
+        return None
+    for cond in pod_status.get("conditions") or []:
+        if cond.get("type") == MODEL_DOWNLOAD_CONDITION and cond.get("status") == "True":
+            return PodFailure(reasons.MODEL_DOWNLOADING, _one_line(str(cond.get("message") or "")))
+    return None
+
+
 def pod_failure(
     pod_status: Mapping[str, Any], memory_limits: Mapping[str, str] | None = None
 ) -> PodFailure | None:
     """The reason a pod cannot become ready by itself, if any (init failures first), with the
     kubelet's (or the container's own) message. `memory_limits`: container -> limit, for the
-    OOMKilled message."""
+    OOMKilled message. A prewarm waiting for its model right now reports the agent's live
+    figures, not an older exit of its own."""
+    if (waiting := _download_report(pod_status)) is not None:
+        return waiting
     limits = memory_limits or {}
     for cstatus in pod_status.get("initContainerStatuses") or []:
         failure = _container_failure(cstatus, limits.get(str(cstatus.get("name"))), init=True)

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ember_runtime import reasons
 from kubernetes import client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
@@ -179,10 +178,9 @@ def worth_an_event(degraded: Mapping[str, Any], old: list[Mapping[str, Any]]) ->
     if degraded["status"] != "True":
         return False
     before = next((c for c in old if c.get("type") == status.DEGRADED), {})
-    if before.get("status") != "True" or before.get("reason") != degraded["reason"]:
-        return True
-    progress = degraded["reason"] == reasons.MODEL_DOWNLOADING
-    return progress and bool(before.get("message") != degraded["message"])
+    # A new reason only: ModelDownloading's figures change every 30 s while replicas wait (the
+    # node agent's live report); the condition carries them, an Event each would be noise.
+    return before.get("status") != "True" or before.get("reason") != degraded["reason"]
 
 
 def _announce_degraded(
@@ -191,10 +189,8 @@ def _announce_degraded(
     degraded: Mapping[str, Any],
     old: list[Mapping[str, Any]],
 ) -> None:
-    """One Warning Event per new Degraded reason, not one per refresh; for ModelDownloading also
-    one per new progress report (its message changes only when a replica's prewarm exits with
-    one: a minute after it starts waiting, then every `model_wait_seconds`), so `kubectl
-    describe infd` shows each node's bytes and ETA as they were reported. Posted with our own
+    """One Warning Event per new Degraded reason, not one per refresh nor per ModelDownloading
+    progress report (those come every 30 s; the condition shows the latest). Posted with our own
     client, not `kopf.warn`: status is written from Kopf's handlers and from the operator's own
     delayed work (coalesced refreshes, retries), where Kopf's event-posting context does not
     exist."""

@@ -68,6 +68,13 @@ INSTANCE_LABEL = "ember.dev/instance"
 # says "read my InferenceDeployment's spec" (pods without it cost the agent nothing) and,
 # being in the pod template, rolls the pods when a URL changes. Its value is never trusted.
 FETCH_HASH_ANNOTATION = "ember.dev/model-fetch-hash"
+# A replica of an http source mounts, per digest of its files, `<cache>/views/<digest>`: the node
+# agent's view holding that one file (`data`, a hard link to the verified blob), its download's
+# `data.partial`, and `failed`/`waiting` lines; never the cache itself (nodeagent/views.py).
+VIEWS_DIR = "views"
+# The node agent's live report of a waiting replica's download, on its pod (nodeagent/podprogress).
+MODEL_DOWNLOAD_CONDITION = "ember.dev/ModelDownload"
+VIEW_DATA = "data"
 # On a Node whose agent holds a file in its cache: `cache.ember.dev/<first 16 hex of the
 # sha256>: "true"` (a sha256 does not fit a label name; 64 bits tell a fleet's models apart).
 # The agent sets and removes it; the operator prefers nodes that carry it (nodeAffinity).
@@ -418,8 +425,9 @@ class RuntimeConfig(_Wire):
     files: list[ModelFile] = Field(default_factory=list)
     model_layout: Literal["paths", "sha256"] = Field(
         default="paths",
-        description="paths: each file at model_dir/<path>; sha256: model_dir is the node "
-        "agent's content-addressed cache, each file at model_dir/sha256/<digest> (http source).",
+        description="paths: each file at model_dir/<path>; sha256 (http source): each file "
+        "at model_dir/<digest>/data, the node agent's view of that one digest (VIEWS_DIR), "
+        "with data.partial, failed and waiting beside it.",
     )
     model_wait_seconds: float = Field(
         default=1800.0,
@@ -443,7 +451,7 @@ class RuntimeConfig(_Wire):
     def source_file(self, file: ModelFile) -> Path:
         """Where `file` is read from on the model volume."""
         if self.model_layout == "sha256":
-            return Path(self.model_dir) / "sha256" / file.sha256
+            return Path(self.model_dir) / file.sha256 / VIEW_DATA
         return Path(self.model_dir) / file.path
 
     def to_yaml(self) -> str:

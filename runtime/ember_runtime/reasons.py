@@ -109,10 +109,10 @@ MODEL_DOWNLOADING = _define(
     "ModelDownloading",
     PREWARM,
     "An `http` source's files are still being fetched into the node's cache by the node agent "
-    "(message: each waiting node's bytes done of the total and ETA, refreshed a minute after a "
-    "replica starts waiting and then every 30 minutes). Nothing to do unless it lasts: then "
-    "check `kubectl logs` of the `ember-nodeagent` pod on that node and the origin's "
-    "reachability.",
+    "(message: each waiting node's bytes done of the total and ETA, reported by the node agent "
+    "within seconds of a replica starting to wait and then every 30 s). Nothing to do unless "
+    "it lasts: then check `kubectl logs` of the `ember-nodeagent` pod on that node and the "
+    "origin's reachability.",
 )
 MODEL_DOWNLOAD_FAILED = _define(
     "ModelDownloadFailed",

@@ -183,6 +183,8 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
         # What those pods' files are: their InferenceDeployment's spec, never the pod's word.
         {"apiGroups": ["ember.dev"], "resources": ["inferencedeployments"], "verbs": ["get"]},
+        # Download progress on those pods: narrowed by the -own-pods policy.
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
         # Its own Node's cache labels (and, site sharing, its site's Nodes and its own
         # annotations): narrowed by the -own-metadata policy below.
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
@@ -201,6 +203,8 @@ def test_runtime_and_node_agent_may_patch_only_their_status(helm: str) -> None:
     bindings = by_kind(docs, "ValidatingAdmissionPolicyBinding")
     assert policies == {
         "ember-runtime-own-pod",
+        "ember-model-hostpath",
+        "ember-nodeagent-own-pods",
         "ember-nodeagent-own-node",
         "ember-nodeagent-own-metadata",
         "ember-nodeagent-own-leases",
@@ -441,6 +445,8 @@ def test_site_sharing_renders_peer_port_and_limits(helm: str) -> None:
     policies = {p["metadata"]["name"] for p in by_kind(off, "ValidatingAdmissionPolicy")}
     assert policies == {
         "ember-runtime-own-pod",
+        "ember-model-hostpath",
+        "ember-nodeagent-own-pods",
         "ember-nodeagent-own-node",
         "ember-nodeagent-own-metadata",
     }

@@ -28,8 +28,10 @@ from typing import Any
 import pytest
 from ember_runtime import reasons
 from ember_runtime.config import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
-from ember_runtime.nodeagent.cache import Want
+from ember_runtime.nodeagent import peerauth
+from ember_runtime.nodeagent.cache import ContentCache, Want
 from ember_runtime.nodeagent.fetcher import KubeReader
+from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.site import (
     CACHE_ANNOTATION,
     FAILED_ANNOTATION,
@@ -171,41 +173,52 @@ def test_a_tenant_pod_cannot_make_the_agent_fetch_for_it(
 def test_a_peer_that_sends_wrong_bytes_and_cuts_does_not_fail_the_site(
     world: SiteWorld, kube: Kube
 ) -> None:
-    """Hole 2. The site's other node advertises the file; its 'peer' sends wrong bytes and
-    hangs up on every request. The victim drops them, takes the Lease, fetches the file whole
-    from the origin, and records no failure, on the node or on the Lease."""
+    """Hole 2. The site's other node (compromised: its own key, its answers signed) advertises
+    the file and serves wrong bytes that stop short. The victim drops them, takes the Lease,
+    fetches the file whole from the origin, and records no failure, on the node or the Lease."""
     liar, victim = world.add_nodes(["127.0.0.1", "127.0.0.1"])
-    with (
-        serve({"m.gguf": DATA}) as (base, origin),
-        serve({f"sha256/{SHA}": WRONG}) as (
-            peer_base,
-            peer,
-        ),
-    ):
-        peer.cut_always = 3 << 19  # 1.5 MiB: a whole chunk reaches the disk each time
-        address = peer_base.removeprefix("http://")
-        note = {PEER_ANNOTATION: address, CACHE_ANNOTATION: short(SHA)}
-        kube.core.patch_node(liar, {"metadata": {"annotations": note}})
-        world.want(None)
-        _start(world, kube, only=[victim], extra=["--lease_seconds=6"])
-        (agent,) = world.agents
 
-        def published() -> bool:  # the victim has read its site (and so its peers)
-            node: Any = kube.core.read_node(victim)
-            return PEER_ANNOTATION in (node.metadata.annotations or {})
+    def site_key(node: str) -> str | None:  # the liar knows its site's published keys
+        found: Any = kube.core.read_node(node)
+        return (found.metadata.annotations or {}).get(peerauth.KEY_ANNOTATION)
 
-        world.wait(published, 60, "the victim to join its site")
-        time.sleep(1)
-        world.announce([{"url": f"{base}/m.gguf", "sha256": SHA, "sizeBytes": SIZE}])
-        world.wait(
-            lambda: agent.cache.has(SHA, SIZE) or agent.cache.failure(SHA) is not None,
-            90,
-            "the file or a failure",
-        )
-        assert peer.paths, f"the victim never asked the lying peer\n{world.logs()}"
-        failure = agent.cache.failure(SHA)
-        leases = world.leases()
-        sent = origin.bytes_sent
+    lies = ContentCache(world.tmp / "liar-cache")
+    lies.blobs.mkdir(parents=True)
+    lies.path(SHA).write_bytes(WRONG[: 3 << 19])  # 1.5 MiB of other bytes under D's name
+    me = peerauth.Identity(liar)
+    peer = PeerServer(lies, me, site_key, "127.0.0.1", 0)
+    peer.start()
+    try:
+        with serve({"m.gguf": DATA}) as (base, origin):
+            note = {
+                PEER_ANNOTATION: f"127.0.0.1:{peer.port}",
+                CACHE_ANNOTATION: short(SHA),
+                peerauth.KEY_ANNOTATION: me.public,
+            }
+            kube.core.patch_node(liar, {"metadata": {"annotations": note}})
+            world.want(None)
+            _start(world, kube, only=[victim], extra=["--lease_seconds=6"])
+            (agent,) = world.agents
+
+            def published() -> bool:  # the victim has read its site (and so its peers)
+                node: Any = kube.core.read_node(victim)
+                return PEER_ANNOTATION in (node.metadata.annotations or {})
+
+            world.wait(published, 60, "the victim to join its site")
+            time.sleep(1)
+            world.announce([{"url": f"{base}/m.gguf", "sha256": SHA, "sizeBytes": SIZE}])
+            world.wait(
+                lambda: agent.cache.has(SHA, SIZE) or agent.cache.failure(SHA) is not None,
+                90,
+                "the file or a failure",
+            )
+            took = peer.bytes_served
+            assert took, f"the victim never took the lying peer's bytes\n{world.logs()}"
+            failure = agent.cache.failure(SHA)
+            leases = world.leases()
+            sent = origin.bytes_sent
+    finally:
+        peer.close()
     assert failure is None, f"recorded on the node: {failure}\n{world.logs()}"
     lease_failures = [(lease.metadata.annotations or {}).get(FAILED_ANNOTATION) for lease in leases]
     assert lease_failures == [None], f"recorded on the Lease: {lease_failures}"

@@ -2,7 +2,9 @@
 failure as its own reason, and gives up with ModelDownloading after `model_wait_seconds`; the
 agent's fetcher fills the cache from the pods it is shown. No cluster: the real cache, a real
 origin, real files; the InferenceDeployments' specs come from a dict (`_Specs`) rather than the
-API server (tests/nodeagent/test_fetch_trust.py reads them from the real one)."""
+API server (tests/nodeagent/test_fetch_trust.py reads them from the real one). Prewarm reads the
+agent's per-digest views (nodeagent/views.py), which a thread keeps in step with the cache here
+as the agent's loop does."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import hashlib
 import io
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,6 +28,7 @@ from ember_runtime.config import (
 )
 from ember_runtime.nodeagent.cache import ContentCache, FetchError
 from ember_runtime.nodeagent.fetcher import Claim, Fetcher, KubeReader
+from ember_runtime.nodeagent.views import DigestViews
 from ember_runtime.prewarm import cachewait
 from ember_runtime.prewarm.cachewait import wait_for_cache
 from ember_runtime.prewarm.errors import PrewarmError
@@ -36,10 +40,30 @@ DATA = os.urandom(300_000)
 SHA = hashlib.sha256(DATA).hexdigest()
 
 
+@pytest.fixture(autouse=True)
+def views(tmp_path: Path) -> Iterator[None]:
+    """The agent's view sync, every 10 ms, for SHA in the caches these tests use."""
+    synced = [
+        DigestViews(ContentCache(root), lambda: [SHA]) for root in (tmp_path, tmp_path / "cache")
+    ]
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(0.01):
+            for v in synced:
+                v.sync()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join()
+
+
 def _config(root: Path, sha: str = SHA, wait: float = 5.0) -> RuntimeConfig:
     return RuntimeConfig(
         model_name="m",
-        model_dir=str(root),
+        model_dir=str(root / "views"),
         model_layout="sha256",
         model_wait_seconds=wait,
         files=[ModelFile(path="m.gguf", sha256=sha, size_bytes=len(DATA))],
@@ -81,6 +105,7 @@ def test_gives_up_with_model_downloading_node_bytes_and_no_eta(
     cache = ContentCache(tmp_path)
     cache.blobs.mkdir(parents=True)
     cache.partial(SHA).write_bytes(DATA[:1000])
+    DigestViews(cache, lambda: [SHA]).sync()  # the view shows it before prewarm looks
     with pytest.raises(PrewarmError) as info:
         wait_for_cache(_config(tmp_path, wait=0.3), io.StringIO(), threading.Event(), 0.05)
     assert info.value.reason == reasons.MODEL_DOWNLOADING
@@ -96,6 +121,7 @@ def test_eta_comes_from_the_bytes_seen_growing_during_the_wait(tmp_path: Path) -
     cache = ContentCache(tmp_path)
     cache.blobs.mkdir(parents=True)
     cache.partial(SHA).write_bytes(DATA[:100_000])
+    DigestViews(cache, lambda: [SHA]).sync()
     grow = threading.Timer(0.2, lambda: cache.partial(SHA).write_bytes(DATA[:200_000]))
     grow.start()
     with pytest.raises(PrewarmError) as info:
@@ -118,29 +144,6 @@ def test_eta_comes_from_the_bytes_seen_growing_during_the_wait(tmp_path: Path) -
 def test_progress_message(done: int, elapsed: float, expected: str) -> None:
     first, last = cachewait.Observation(5.0, 0), cachewait.Observation(5.0 + elapsed, done)
     assert cachewait.progress_message("a", first, last, 3_400_000_000) == f"a: {expected}"
-
-
-def test_the_first_wait_of_a_pod_is_short_then_model_wait_seconds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A fresh pod reports ModelDownloading after FIRST_REPORT_SECONDS; its restarts (the
-    marker in its prewarm volume survives them) wait model_wait_seconds; once the files are
-    in, the marker goes."""
-    monkeypatch.setattr(cachewait, "FIRST_REPORT_SECONDS", 0.2)
-    cache = ContentCache(tmp_path / "cache")
-    cache.blobs.mkdir(parents=True)
-    shm = tmp_path / "shm"
-    config = _config(cache.root, wait=3600).model_copy(update={"prewarm_dir": str(shm)})
-    with pytest.raises(PrewarmError) as info:
-        wait_for_cache(config, io.StringIO(), threading.Event(), 0.05, "n")
-    assert info.value.reason == reasons.MODEL_DOWNLOADING
-    assert (shm / cachewait.WAIT_MARKER).exists()
-    assert cachewait.wait_seconds(config) == 3600  # the restart waits the long wait
-    cache.path(SHA).write_bytes(DATA)
-    out = io.StringIO()
-    wait_for_cache(config, out, threading.Event(), 0.05, "n")
-    assert not (shm / cachewait.WAIT_MARKER).exists()
-    assert "all files are in the node cache" in out.getvalue()
 
 
 def _pod(uid: str, base: str, sha: str) -> dict[str, Any]:

@@ -16,7 +16,13 @@ import pytest
 
 from tests.conftest import Kube
 from tests.nodeagent.origin import serve
-from tests.nodeagent.site_support import SiteWorld, fetch_pod
+from tests.nodeagent.site_support import (
+    SiteWorld,
+    claim_metadata,
+    fetch_pod,
+    model_spec,
+    put_inference_deployment,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -40,8 +46,12 @@ def test_two_files_at_once_share_the_sites_bandwidth(world: SiteWorld, kube: Kub
     shas = [hashlib.sha256(f).hexdigest() for f in FILES]
     with serve({"a.gguf": FILES[0], "b.gguf": FILES[1]}) as (base, origin):
         for node, name, sha in zip(world.nodes, ("a.gguf", "b.gguf"), shas, strict=True):
-            files = [{"url": f"{base}/{name}", "sha256": sha, "sizeBytes": SIZE}]
-            pod: Any = fetch_pod(f"{node}-{uuid.uuid4().hex[:4]}", node, files)
+            # Each node's pod belongs to an InferenceDeployment of its own, wanting one file.
+            model = model_spec([{"url": f"{base}/{name}", "sha256": sha, "sizeBytes": SIZE}])
+            owner = f"bw-{name.removesuffix('.gguf')}"
+            put_inference_deployment(kube, world.namespace, owner, model)
+            pod: Any = fetch_pod(f"{node}-{uuid.uuid4().hex[:4]}", node, None)
+            pod["metadata"].update(claim_metadata(owner, model))
             kube.core.create_namespaced_pod(world.namespace, pod)
             world.pods.append(pod["metadata"]["name"])
         world.start(

@@ -27,6 +27,7 @@ from ember_runtime.nodeagent.site import CACHE_ANNOTATION, PEER_ANNOTATION, leas
 from tests.conftest import Kube
 from tests.nodeagent.origin import serve
 from tests.nodeagent.site_support import SiteWorld
+from tests.support.waiting import wait_for
 from tests.thermal.kube_support import TcpProxy, api_server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -272,7 +273,14 @@ def test_agent_writes_only_its_own_annotations_and_leases(world: SiteWorld, kube
         )
         assert taint.status_code == 403
         first, second = lease_name(world.site, SHA), lease_name(world.site, "0" * 64)
-        assert http.post(leases, json=lease(first, own)).status_code == 201
+        # The node -> site map was just written into the Lease policy (add_nodes); the API
+        # server loads a changed policy within a second or so: retry its first use until then.
+        wait_for(
+            "the Lease policy's new map",
+            lambda: http.post(leases, json=lease(first, own)).status_code == 201,
+            15,
+            0.5,
+        )
         foreign = http.post(leases, json=lease(second, other))
         assert foreign.status_code == 403 and "own node" in foreign.text
         assert http.post(leases, json=lease("other-lease", own)).status_code == 403

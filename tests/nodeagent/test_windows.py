@@ -17,6 +17,7 @@ from ember_runtime.config import ModelFile, RuntimeConfig
 from ember_runtime.nodeagent import fetcher as fetcher_mod
 from ember_runtime.nodeagent.cache import ContentCache, Want
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
+from ember_runtime.nodeagent.views import DigestViews
 from ember_runtime.nodeagent.windows import Windows, parse
 from ember_runtime.prewarm.cachewait import wait_for_cache
 from ember_runtime.prewarm.errors import PrewarmError
@@ -63,7 +64,7 @@ def test_outside_the_window_the_fetch_waits_and_prewarm_says_until_when(
     cache = ContentCache(tmp_path)
     config = RuntimeConfig(
         model_name="m",
-        model_dir=str(tmp_path),
+        model_dir=str(tmp_path / "views"),  # prewarm reads the agent's view of the digest
         model_layout="sha256",
         model_wait_seconds=0.3,
         files=[ModelFile(path="m.gguf", sha256=SHA, size_bytes=len(DATA))],
@@ -78,6 +79,7 @@ def test_outside_the_window_the_fetch_waits_and_prewarm_says_until_when(
             assert origin.bytes_sent == 0
             note = (tmp_path / "waiting" / SHA).read_text().strip()
             assert note == "outside the download window until 22:00 UTC"
+            DigestViews(cache, lambda: [SHA]).sync()  # the agent's view loop, once
             with pytest.raises(PrewarmError) as info:
                 await asyncio.to_thread(
                     wait_for_cache, config, io.StringIO(), threading.Event(), 0.05

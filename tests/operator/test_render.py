@@ -297,16 +297,19 @@ def _http_model(**source: Any) -> dict[str, Any]:
     return {**model, "source": {"http": {**HTTP_SOURCE["http"], **source}}}
 
 
-def test_http_source_mounts_the_node_cache_and_tells_the_agent_what_to_fetch() -> None:
+def test_http_source_mounts_only_its_own_digests_and_tells_the_agent_what_to_fetch() -> None:
+    """Hole 7 (issue 34): a replica sees a view per digest of its own files, never the node
+    cache (every namespace's models), and the runtime container sees none of them."""
     out = _render(model=_http_model(secretRef={"name": "hf"}))
     pod = _pod(out)
-    (model,) = [v for v in pod["volumes"] if v["name"] == "model"]
-    assert model == {
-        "name": "model",
-        "hostPath": {"path": "/var/lib/ember/cache", "type": "Directory"},
-    }
+    sha = manifest()["spec"]["model"]["files"][0]["sha256"]
+    host_paths = [v["hostPath"] for v in pod["volumes"] if "hostPath" in v]
+    assert host_paths == [{"path": f"/var/lib/ember/cache/views/{sha}", "type": "Directory"}]
     prewarm = pod["initContainers"][0]
-    assert {"name": "model", "mountPath": "/models", "readOnly": True} in prewarm["volumeMounts"]
+    view = {"name": "model-0", "mountPath": f"/models/{sha}", "readOnly": True}
+    assert view in prewarm["volumeMounts"]
+    runtime_mounts = {m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    assert not {"model", "model-0"} & runtime_mounts, runtime_mounts
     template = out["Deployment"]["spec"]["template"]["metadata"]
     # What to fetch is never on the pod (a pod author could write it there: issue 34, hole 1):
     # the pod names its InferenceDeployment, and a digest of the fetch list rolls the pods when
@@ -320,7 +323,7 @@ def test_http_source_mounts_the_node_cache_and_tells_the_agent_what_to_fetch() -
     file = manifest()["spec"]["model"]["files"][0]
     config = RuntimeConfig.model_validate(yaml.safe_load(out["ConfigMap"]["data"]["config.yaml"]))
     assert config.model_layout == "sha256"
-    assert str(config.source_file(config.files[0])) == f"/models/sha256/{file['sha256']}"
+    assert str(config.source_file(config.files[0])) == f"/models/{file['sha256']}/data"
 
 
 def test_hostpath_source_has_no_fetch_annotation_and_keeps_its_hash() -> None:

@@ -463,7 +463,43 @@ def test_one_event_per_new_progress_report_not_per_refresh() -> None:
     assert worth_an_event(first, [cond("AsExpected", "", "False")])
     assert not worth_an_event(first, [first])  # a refresh with the same report
     newer = cond("ModelDownloading", "1 node waits for the model: a: 2 of 3 GB, ETA 30s")
-    assert worth_an_event(newer, [first])  # a new report from a prewarm exit
+    assert not worth_an_event(newer, [first])  # live figures every 30 s: the condition has them
     other = cond("ChecksumMismatch", "pod p: x")
     assert not worth_an_event(cond("ChecksumMismatch", "pod q: y"), [other])  # reason only
     assert not worth_an_event(cond("AsExpected", "", "False"), [first])
+
+
+def test_a_running_prewarm_shows_the_agents_live_download_report() -> None:
+    """The node agent's `ember.dev/ModelDownload` condition is the pod's ModelDownloading while
+    prewarm runs, ahead of an older ModelDownloading exit in prewarm's lastState; once prewarm
+    is done, or the condition is False, it is nothing."""
+    old_exit = {
+        "terminated": {
+            "exitCode": 1,
+            "message": "ModelDownloading: node-a: 0.1 of 3.4 GB in the node cache, ETA unknown",
+        }
+    }
+    live = "node-a: 1.2 of 3.4 GB in the node cache, ETA 3m03s (12.0 MB/s over 1m40s)"
+    pod = {
+        "phase": "Pending",
+        "initContainerStatuses": [
+            {"name": "prewarm", "state": {"running": {}}, "lastState": old_exit}
+        ],
+        "conditions": [
+            {"type": "ember.dev/ModelDownload", "status": "True", "message": live},
+        ],
+    }
+    assert status.pod_failure(pod) == status.PodFailure(reasons.MODEL_DOWNLOADING, live)
+    summary = status.pod_summary(
+        {"metadata": {"name": "p"}, "spec": {"nodeName": "node-a"}, "status": pod}
+    )
+    assert status.downloading_message([summary]) == f"1 node waits for the model: {live}"
+    cached = {**pod, "conditions": [{"type": "ember.dev/ModelDownload", "status": "False"}]}
+    assert (
+        status.pod_failure(
+            {**cached, "initContainerStatuses": [{"name": "prewarm", "state": {"running": {}}}]}
+        )
+        is None
+    )
+    finished = {"name": "prewarm", "state": {"terminated": {"exitCode": 0}}}
+    assert status.pod_failure({**pod, "initContainerStatuses": [finished]}) is None

@@ -104,10 +104,17 @@ class ThermalPolicy(StrEnum):
 class HostPathSource(Wire):
     path: str = Field(
         max_length=4096,
-        description="Absolute directory on the node holding the model files (the node-local "
-        "model cache; the edge default).",
+        description="Absolute directory on the node holding the model files. It must be one "
+        "of the directories the cluster allows for models (the chart's modelHostPaths.allowed, "
+        "enforced by a ValidatingAdmissionPolicy), or below one, and never the node agent's "
+        "cache (use an http source for that).",
         json_schema_extra=rules(
-            cel("self.startsWith('/')", "model.source.hostPath.path must be an absolute path")
+            cel("self.startsWith('/')", "model.source.hostPath.path must be an absolute path"),
+            # The admission policy compares prefixes: `allowed/../etc` must never reach it.
+            cel(
+                "!self.matches('(^|/)[.][.]?(/|$)')",
+                "model.source.hostPath.path must not contain '.' or '..' segments",
+            ),
         ),
     )
 

@@ -22,13 +22,16 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 from ember_runtime.config import SensorSettings, ThermalPolicy, ThermalReading
 from ember_runtime.nodeagent import windows
 from ember_runtime.nodeagent.cache import ContentCache
+from ember_runtime.nodeagent.evict import Evictor, pods_on_node
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
 from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.metrics import AgentMetrics
 from ember_runtime.nodeagent.peerauth import Identity
 from ember_runtime.nodeagent.peerserver import PeerServer
+from ember_runtime.nodeagent.podprogress import DownloadReports
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.nodeagent.site import SITE_LABEL, SiteConfig, SiteSharing
+from ember_runtime.nodeagent.views import DigestViews
 from ember_runtime.nodeagent.windows import Windows
 from ember_runtime.sensors import build_source
 from ember_runtime.sensors.base import TemperatureSource
@@ -119,6 +122,13 @@ class AgentSettings(BaseSettings):
         description="Serve Prometheus /metrics here (0: any free port); None: no endpoint.",
     )
     metrics_bind: str = "0.0.0.0"  # noqa: S104 - scraped from outside the node
+    cache_max_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="The cache's budget: above it, models no pod on this node names are "
+        "evicted, least recently used first (evict.py). 0: no budget.",
+    )
+    evict_interval_seconds: float = Field(default=60.0, gt=0)
     label_resync_seconds: float = Field(
         default=60.0,
         gt=0,
@@ -219,6 +229,23 @@ async def run(settings: AgentSettings) -> None:
             labels=labels,
         )
         tasks.append(asyncio.create_task(fetcher.run()))
+        # What a replica mounts: a view per digest its pod names, never the whole cache.
+        views = DigestViews(cache, lambda: fetcher.wanted().keys())
+        tasks.append(asyncio.create_task(views.run()))
+        # A waiting replica's progress on its pod, live (prewarm has no way to the API).
+        reports = DownloadReports(cache, reader, settings.node_name, fetcher.fetch_of)
+        tasks.append(asyncio.create_task(reports.run()))
+        if settings.cache_max_bytes:
+            in_use = pods_on_node(reader, settings.node_name, fetcher.fetch_of)
+            evictor = Evictor(
+                cache,
+                views,
+                in_use,
+                settings.cache_max_bytes,
+                interval_seconds=settings.evict_interval_seconds,
+                labels=labels,
+            )
+            tasks.append(asyncio.create_task(evictor.run()))
         log.info("keeping models for %s's pods in %s", settings.node_name, settings.cache_root)
     try:
         await stop.wait()

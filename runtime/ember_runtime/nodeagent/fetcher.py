@@ -30,7 +30,7 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -133,6 +133,13 @@ def claim_of(pod: dict[str, Any]) -> Claim | None:
     return Claim(str(namespace), str(name), str(version))
 
 
+class Unresolved(Exception):
+    """A pod on the node whose InferenceDeployment the pod watch has not read (yet)."""
+
+
+PodFetch = Callable[[dict[str, Any]], ModelFetch | None]  # Fetcher.fetch_of
+
+
 class Resolver(Protocol):
     async def resolve(self, claim: Claim) -> ModelFetch | None: ...
 
@@ -204,6 +211,18 @@ class Fetcher:
         # Redirects are followed (model hubs redirect to CDNs); httpx drops Authorization on
         # a redirect to another origin, so origin credentials never follow one.
         self._http = httpx.Client(timeout=httpx.Timeout(30.0), follow_redirects=True)
+
+    def fetch_of(self, pod: dict[str, Any]) -> ModelFetch | None:
+        """What this agent fetches for `pod`, as its watch read it from the pod's
+        InferenceDeployment; None when the pod names none. Raises `Unresolved` when the watch
+        has not read this pod's claim yet: the caller cannot tell (and must not guess)."""
+        claim = claim_of(pod)
+        if claim is None:
+            return None
+        uid = str((pod.get("metadata") or {}).get("uid"))
+        if self._claims.get(uid) != claim or uid in self._pending:
+            raise Unresolved(f"pod {uid}: {claim.namespace}/{claim.name} not read yet")
+        return self.pods.get(uid)
 
     def wanted(self) -> dict[str, list[Wanted]]:
         """Digest → every distinct (URL, Secret) the node's pods want it from, first seen first."""

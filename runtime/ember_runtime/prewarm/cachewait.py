@@ -6,31 +6,25 @@ prewarm still hashes it again while copying. A download that failed for good is 
 agent as a termination line under `failed/<digest>`, which prewarm reports as its own (so a wrong
 sha256 shows as `ChecksumMismatch` on the InferenceDeployment).
 
-A slow download is made visible through the one path every prewarm failure takes — the
-termination message, which the operator folds into the object's Degraded condition — rather
-than through API writes of prewarm's own: prewarm exits with `ModelDownloading` and a message
-naming its node, the bytes done of the total and an ETA (the rate is what prewarm saw the
-cache grow by during this wait), e.g.
+A slow download is visible live: the node agent, which does the download, writes the pod's
+`ember.dev/ModelDownload` condition as soon as it sees the pod wait and then every 30 s
+(nodeagent/podprogress.py), and the operator shows it while this container runs. Prewarm
+itself has no API access (it runs the replica author's image); it logs the bytes so far
+(`kubectl logs -c prewarm`) and, after `model_wait_seconds` (30 minutes), exits with
+`ModelDownloading` and a message naming its node, the bytes done of the total and an ETA (the
+rate is what prewarm saw the cache grow by during this wait), e.g.
 
     node-a: 1.2 of 3.4 GB in the node cache, ETA 3m03s (12.0 MB/s over 1m40s)
 
-and the kubelet starts it again. The first wait of a pod is short (`FIRST_REPORT_SECONDS`), so
-`kubectl get infd` says ModelDownloading a minute after the pod starts waiting, not after
-`model_wait_seconds`; later waits last `model_wait_seconds`, which keeps the restarts (and so
-the status writes) rare, and, being longer than the kubelet's back-off reset (a restart more
-than twice the 5-minute maximum back-off after the last one starts again at 10 s), keeps each
-restart's back-off at 10 s. The pod's prewarm volume (an emptyDir, which outlives
-container restarts) holds the marker that says "this pod has waited before"; it is removed
-once the files are in.
+and the kubelet starts it again. Before the agent reported, prewarm's first wait lasted one
+minute so that this exit would say something soon; it no longer restarts for that.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import threading
 import time
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -40,8 +34,6 @@ from ember_runtime.config import ModelFile, RuntimeConfig
 from ember_runtime.prewarm.errors import Interrupted, PrewarmError
 
 NODE_ENV = "NODE_NAME"  # the downward API's spec.nodeName, in every Ember pod's env
-FIRST_REPORT_SECONDS = 60.0
-WAIT_MARKER = ".ember-model-wait"  # in the prewarm volume: "this pod has waited before"
 
 
 def _size(path: Path) -> int:
@@ -65,13 +57,18 @@ def _done_bytes(config: RuntimeConfig) -> int:
     return total
 
 
+def _beside(config: RuntimeConfig, f: ModelFile, name: str) -> Path:
+    """A line the agent keeps in the digest's view, next to `data` (`failed`, `waiting`)."""
+    return config.source_file(f).with_name(name)
+
+
 def _waiting_note(config: RuntimeConfig) -> str:
     """'; outside the download window until 22:00 UTC' when the agent says it waits."""
     for f in config.files:
         if _held(config, f):
             continue
         try:
-            note = (Path(config.model_dir) / "waiting" / f.sha256).read_text().strip()
+            note = _beside(config, f, "waiting").read_text().strip()
         except OSError:
             continue
         if note:
@@ -82,7 +79,7 @@ def _waiting_note(config: RuntimeConfig) -> str:
 def _recorded_failure(config: RuntimeConfig) -> PrewarmError | None:
     for f in config.files:
         try:
-            line = (Path(config.model_dir) / "failed" / f.sha256).read_text()
+            line = _beside(config, f, "failed").read_text()
         except OSError:
             continue
         parsed = reasons.parse_termination_message(line)
@@ -140,31 +137,9 @@ def progress_message(
     return f"{node}: {human_bytes(last.done, total)} in the node cache, {eta}{speed}{note}"
 
 
-def _marker(config: RuntimeConfig) -> Path | None:
-    return Path(config.prewarm_dir) / WAIT_MARKER if config.prewarm_dir else None
-
-
 def wait_seconds(config: RuntimeConfig) -> float:
-    """This run's wait: short the first time in this pod (the status says so soon), then
-    `model_wait_seconds`. Marks the pod as having waited."""
-    marker = _marker(config)
-    if marker is None:
-        return config.model_wait_seconds
-    if marker.exists():
-        return config.model_wait_seconds
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(dt.datetime.now(dt.UTC).isoformat() + "\n")
-    except OSError:
-        return config.model_wait_seconds  # no marker, no restart loop: just the long wait
-    return min(FIRST_REPORT_SECONDS, config.model_wait_seconds)
-
-
-def _clear_marker(config: RuntimeConfig) -> None:
-    if (marker := _marker(config)) is not None:
-        # The volume goes with the pod: a marker left behind costs nothing after it.
-        with suppress(OSError):
-            marker.unlink(missing_ok=True)
+    """This run's wait before it exits with ModelDownloading."""
+    return config.model_wait_seconds
 
 
 def wait_for_cache(
@@ -205,6 +180,5 @@ def wait_for_cache(
 
 
 def _done(config: RuntimeConfig, out: TextIO) -> None:
-    _clear_marker(config)
     out.write("prewarm: all files are in the node cache\n")
     out.flush()

@@ -1,0 +1,129 @@
+"""Per-digest views of the node cache: what a replica may see of it.
+
+The cache (`cache.ContentCache`, `<root>/sha256/<digest>`) holds the models of every namespace
+whose pods ran on this node; a replica runs its author's image, so mounting the cache would let
+it read other tenants' private models. A replica's pod instead mounts, for each digest of its
+own files, `<root>/views/<digest>/` (render.digest_views), which this module keeps for every
+digest that a pod on this node names:
+
+    data          hard link to the verified blob, once it is complete
+    data.partial  hard link to the download in progress (prewarm stats it for progress)
+    failed        the cache's failure line for the digest (prewarm reports it)
+    waiting       why the download waits (a window), for prewarm's message
+
+Hard links, not copies: no bytes are duplicated, and a link to the partial grows with the
+download without any further work here. A blob only ever gets its final name once verified,
+so `data` is as trustworthy as the cache's name. The pod's hostPath has type Directory: the
+kubelet retries the mount until `sync` has made the view (a second or so after the pod lands
+here); the kubelet never creates it. Views of digests no pod here names any more are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from pathlib import Path
+
+from ember_runtime.config import VIEW_DATA, VIEWS_DIR
+from ember_runtime.nodeagent.cache import HEX, PARTIAL_SUFFIX, ContentCache
+
+log = logging.getLogger("ember_runtime.nodeagent.views")
+
+
+def is_digest(name: str) -> bool:
+    return len(name) == 64 and all(c in HEX for c in name)
+
+
+class DigestViews:
+    def __init__(
+        self,
+        cache: ContentCache,
+        wanted: Callable[[], Iterable[str]],
+        interval_seconds: float = 1.0,
+    ) -> None:
+        self.cache = cache
+        self.root = cache.root / VIEWS_DIR
+        self._wanted = wanted
+        self.interval_seconds = interval_seconds
+
+    def view(self, sha256: str) -> Path:
+        return self.root / sha256
+
+    def sync(self, wanted: Iterable[str] | None = None) -> None:
+        """Make the view of every wanted digest match the cache; drop the others."""
+        wanted = {d for d in (self._wanted() if wanted is None else wanted) if is_digest(d)}
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o755)
+        for sha in sorted(wanted):
+            self._sync_one(sha)
+        for stale in self.existing() - wanted:
+            self.remove(stale)
+
+    def existing(self) -> set[str]:
+        try:
+            return {p.name for p in self.root.iterdir() if is_digest(p.name)}
+        except OSError:
+            return set()
+
+    def remove(self, sha256: str) -> None:
+        """Drop a view (a pod still mounting it keeps its open files, the kubelet its mount)."""
+        if is_digest(sha256):
+            shutil.rmtree(self.view(sha256), ignore_errors=True)
+
+    def _sync_one(self, sha: str) -> None:
+        view = self.view(sha)
+        view.mkdir(exist_ok=True)
+        view.chmod(0o755)
+        _link(self.cache.path(sha), view / VIEW_DATA)
+        _link(self.cache.partial(sha), view / f"{VIEW_DATA}{PARTIAL_SUFFIX}")
+        _mirror(self.cache.failures / sha, view / "failed")
+        _mirror(self.cache.waiting / sha, view / "waiting")
+
+    async def run(self) -> None:
+        while True:
+            try:
+                # Read on the event loop, which is where the fetcher changes its pods.
+                await asyncio.to_thread(self.sync, set(self._wanted()))
+            except OSError:
+                log.exception("syncing the cache views in %s", self.root)
+            await asyncio.sleep(self.interval_seconds)
+
+
+def _link(source: Path, link: Path) -> None:
+    """`link` names the same file as `source`, or nothing when `source` is missing."""
+    try:
+        if os.path.samefile(source, link):
+            return
+    except FileNotFoundError:
+        pass
+    if not source.exists():
+        link.unlink(missing_ok=True)
+        return
+    tmp = link.with_name(f".{link.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except FileNotFoundError:  # renamed or dropped by the download meanwhile: next round
+        return
+    os.replace(tmp, link)
+
+
+def _mirror(source: Path, copy: Path) -> None:
+    """`copy` holds `source`'s one line, or is absent (small files: copied, not linked, so the
+    cache's atomic replace of the line never leaves the view on the old inode)."""
+    try:
+        line = source.read_text()
+    except FileNotFoundError:
+        copy.unlink(missing_ok=True)
+        return
+    with suppress(FileNotFoundError):
+        if copy.read_text() == line:
+            return
+    tmp = copy.with_name(f".{copy.name}.tmp")
+    tmp.write_text(line)
+    tmp.chmod(0o644)
+    os.replace(tmp, copy)
