@@ -56,15 +56,20 @@ echo done
 """
 
 
-def _tenant_b_pod(namespace: str, url: str) -> dict[str, Any]:
-    """B's replica as the operator renders it, its prewarm container running LOOK instead."""
+def _tenant_b(url: str) -> dict[str, Any]:
+    """B's InferenceDeployment: the node agent reads what to fetch from its spec."""
     model = {
         "name": "b-model",
         "format": "gguf",
         "source": {"http": {"urls": {"b.gguf": url}}},
         "files": [{"path": "b.gguf", "sha256": B_SHA, "sizeBytes": len(B_DATA)}],
     }
-    spec = parse_spec(manifest("b", model=model, prewarm={"enabled": True})["spec"])
+    return manifest("b", model=model, prewarm={"enabled": True})
+
+
+def _tenant_b_pod(namespace: str, url: str) -> dict[str, Any]:
+    """B's replica as the operator renders it, its prewarm container running LOOK instead."""
+    spec = parse_spec(_tenant_b(url)["spec"])
     settings = OperatorSettings()
     owner = render.Owner("b", namespace, "u-b")
     out = {
@@ -93,7 +98,9 @@ def _tenant_b_pod(namespace: str, url: str) -> dict[str, Any]:
         "metadata": {
             "name": "b-look",
             "namespace": namespace,
-            "annotations": template["metadata"]["annotations"],  # what the agent fetches
+            # Which InferenceDeployment it belongs to, and its fetch digest (issue 34, hole 1).
+            "labels": template["metadata"]["labels"],
+            "annotations": template["metadata"]["annotations"],
         },
         "spec": {
             "nodeName": NODE_NAME,
@@ -109,6 +116,7 @@ def _tenant_b_pod(namespace: str, url: str) -> dict[str, Any]:
 def test_tenant_b_replica_sees_nothing_of_tenant_as_cached_model(
     kube: Kube,
     namespace: str,
+    crd: Any,
     agent: subprocess.Popen[str],  # noqa: F811 - the fixture
 ) -> None:
     blob = CACHE / "sha256" / A_SHA
@@ -116,6 +124,7 @@ def test_tenant_b_replica_sees_nothing_of_tenant_as_cached_model(
     blob.chmod(0o644)
     try:
         with serve({"b.gguf": B_DATA}) as (base, _):
+            rest.create(kube.api, "infd", namespace, _tenant_b(f"{base}/b.gguf"))
             pod = _tenant_b_pod(namespace, f"{base}/b.gguf")
             rest.create(kube.api, "pods", namespace, pod)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,9 +44,12 @@ RESUME_RATE = 8_000_000  # bytes/s: a third of it in ~10 s, then the agent is ki
 
 
 def _forget(sha: str) -> None:
+    """The node holds nothing of `sha`: the blob, its partial, its failure, and its view (a
+    hard link to an earlier test's verified blob would let prewarm finish at once)."""
     for path in (CACHE / "sha256" / sha, CACHE / "sha256" / f"{sha}.partial"):
         path.unlink(missing_ok=True)
     (CACHE / "failed" / sha).unlink(missing_ok=True)
+    shutil.rmtree(CACHE / "views" / sha, ignore_errors=True)
 
 
 @pytest.fixture
@@ -105,10 +109,11 @@ def _running_agent(
     with log_path.open("w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        # The agent creates the cache directory first thing (the pods' mount needs it).
+        # Started: it logs this once its signal handlers are in (the cache directory may be
+        # left from an earlier agent, so its existence says nothing about this one).
         wait_for(
             "the node agent to start",
-            lambda: proc.poll() is not None or (CACHE / "sha256").is_dir(),
+            lambda: proc.poll() is not None or "keeping models for" in log_path.read_text(),
             timeout=30,
         )
         assert proc.poll() is None, log_path.read_text()

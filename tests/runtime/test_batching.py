@@ -97,10 +97,9 @@ async def test_fast_batching_serves_the_same_requests(model_path: Path) -> None:
     assert len(again) == len(together)
 
 
-async def test_unified_pool_shares_a_running_prompt(model_path: Path) -> None:
-    # One KV pool (kv_unified): a request whose prompt starts like a running one's takes those
-    # cells (a seq_id tag, no copy) instead of recomputing them.
-    seen: list[int] = []
+@contextlib.asynccontextmanager
+async def pooled(model_path: Path, seen: list[int]) -> AsyncIterator[LlamaCppEngine]:
+    """A fast-mode engine on one KV pool that records each step's prompt tokens in `seen`."""
     engine = LlamaCppEngine(
         model_path,
         context_length=256,
@@ -112,6 +111,16 @@ async def test_unified_pool_shares_a_running_prompt(model_path: Path) -> None:
     )
     await engine.start()
     try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+async def test_unified_pool_shares_a_running_prompt(model_path: Path) -> None:
+    # One KV pool (kv_unified): a request whose prompt starts like a running one's takes those
+    # cells (a seq_id tag, no copy) instead of recomputing them.
+    seen: list[int] = []
+    async with pooled(model_path, seen) as engine:
         head, tail = PROMPTS[5], " The first sentence is"
         shared = len(engine.tokenize(head, add_special=True))
         total = len(engine.tokenize(head + tail, add_special=True))
@@ -125,25 +134,13 @@ async def test_unified_pool_shares_a_running_prompt(model_path: Path) -> None:
         assert second.strip()
         assert total > shared + 3
         assert sum(seen) == total  # the head once, then only the tail: not shared + total
-    finally:
-        await engine.stop()
 
 
 async def test_copies_of_one_prompt_compute_it_once(model_path: Path) -> None:
     # n > 1 (or the same prompt again) submitted at once: the first computes the prompt, the
     # rest wait one prefill and share its cells, decoding only their last prompt token.
     seen: list[int] = []
-    engine = LlamaCppEngine(
-        model_path,
-        context_length=256,
-        capacity=4,
-        threads=1,
-        max_queue=8,
-        kv_unified=True,
-        observer=lambda stats: seen.append(stats.prompt_tokens),
-    )
-    await engine.start()
-    try:
+    async with pooled(model_path, seen) as engine:
         tokens = engine.tokenize(PROMPTS[5], add_special=True)
         params = SamplingParams(max_tokens=3, temperature=1.0)
         streams = [engine.submit(tokens, params) for _ in range(4)]  # all queued in one go
@@ -155,8 +152,6 @@ async def test_copies_of_one_prompt_compute_it_once(model_path: Path) -> None:
         assert all(out[-1].finish_reason is not None for out in outs)
         assert len(tokens) > 20
         assert sum(seen) == len(tokens) + 3  # once, then one token per copy: not 4 x
-    finally:
-        await engine.stop()
 
 
 async def test_queue_bound_does_not_count_a_request_a_free_slot_takes(model_path: Path) -> None:

@@ -39,6 +39,7 @@ from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, node_status_p
 from ember_runtime.thermal.reporter import ConditionReporter
 
 log = logging.getLogger("ember_runtime.nodeagent")
+STOP_SECONDS = 15.0  # the most a stop waits for the agent's tasks to end
 
 
 class AgentSettings(BaseSettings):
@@ -253,7 +254,11 @@ async def run(settings: AgentSettings) -> None:
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Bounded: a task that does not end within the grace period must not keep the agent
+        # (and its DaemonSet pod's termination) waiting; what it holds is left as it is.
+        _, stuck = await asyncio.wait(tasks, timeout=STOP_SECONDS)
+        for task in stuck:
+            log.warning("stopping: %s did not end within %.0fs", task.get_name(), STOP_SECONDS)
         if server is not None:
             server.close()
         await patcher.aclose()

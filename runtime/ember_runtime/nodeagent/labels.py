@@ -96,5 +96,8 @@ class CacheLabels:
                 current = None  # read again: the write may or may not have landed
                 await asyncio.sleep(pause)
                 continue
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+            # that lands as the event is set, and the agent's shutdown then waits forever.
             with suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), self.resync_seconds)
+                async with asyncio.timeout(self.resync_seconds):
+                    await self._dirty.wait()

@@ -15,7 +15,11 @@ Hard links, not copies: no bytes are duplicated, and a link to the partial grows
 download without any further work here. A blob only ever gets its final name once verified,
 so `data` is as trustworthy as the cache's name. The pod's hostPath has type Directory: the
 kubelet retries the mount until `sync` has made the view (a second or so after the pod lands
-here); the kubelet never creates it. Views of digests no pod here names any more are removed.
+here); the kubelet never creates it. A view of a digest no pod here names any more (or one just
+evicted) is emptied, never deleted: a pod's mount is bound to the directory itself, so a view
+deleted and made again would leave a pod that mounted the first one looking into an empty,
+unlinked directory forever. That happens whenever the wanted set is briefly empty, e.g. an
+agent restart before its pod watch has read the InferenceDeployments again.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterable
 from contextlib import suppress
 from pathlib import Path
@@ -63,16 +66,26 @@ class DigestViews:
         for stale in self.existing() - wanted:
             self.remove(stale)
 
+    def remove(self, sha256: str) -> None:
+        """Empty a view, keeping its directory (see above): its links go, so it holds no bytes
+        and shows nothing; a pod still mounting it keeps the files it has open."""
+        if not is_digest(sha256):
+            return
+        with suppress(FileNotFoundError, NotADirectoryError):
+            for entry in self.view(sha256).iterdir():
+                with suppress(FileNotFoundError, IsADirectoryError):
+                    entry.unlink()
+
     def existing(self) -> set[str]:
+        """The views that show something (a directory kept empty does not count)."""
         try:
-            return {p.name for p in self.root.iterdir() if is_digest(p.name)}
+            return {
+                p.name
+                for p in self.root.iterdir()
+                if is_digest(p.name) and any(True for _ in p.iterdir())
+            }
         except OSError:
             return set()
-
-    def remove(self, sha256: str) -> None:
-        """Drop a view (a pod still mounting it keeps its open files, the kubelet its mount)."""
-        if is_digest(sha256):
-            shutil.rmtree(self.view(sha256), ignore_errors=True)
 
     def _sync_one(self, sha: str) -> None:
         view = self.view(sha)
