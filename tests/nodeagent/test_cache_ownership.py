@@ -39,11 +39,25 @@ def cache_root() -> Iterator[Path]:
 
 
 def _init_container() -> tuple[list[str], int]:
-    """The chart's cache-dir init container: its argv and the agent's uid."""
+    """The chart's cache-dir init container as the node runs it: its argv, under root with only
+    the capabilities the chart gives it (setpriv's bounding set), and the agent's uid."""
     (daemonset,) = [o for o in chart_objects("nodeagent.yaml") if o["kind"] == "DaemonSet"]
     pod: dict[str, Any] = daemonset["spec"]["template"]["spec"]
     (init,) = [c for c in pod["initContainers"] if c["name"] == "cache-dir"]
-    return list(init["command"]), int(pod["securityContext"]["runAsUser"])
+    caps = init["securityContext"]["capabilities"]
+    assert caps["drop"] == ["ALL"]
+    bounding = ",".join(["-all", *(f"+{c.lower()}" for c in caps["add"])])
+    return ["setpriv", f"--bounding-set={bounding}", "--", *init["command"]], int(
+        pod["securityContext"]["runAsUser"]
+    )
+
+
+def _run_init(command: list[str], cache_root: Path) -> None:
+    argv = [sys.executable if word == "python" else word for word in command]
+    argv[argv.index("/cache")] = str(cache_root)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}/runtime"}
+    done = subprocess.run(argv, check=False, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def _as_agent(uid: int, root: Path) -> str | None:
@@ -82,13 +96,25 @@ def test_the_init_container_gives_a_root_written_cache_to_the_agent(cache_root: 
         path.mkdir(mode=0o755)
     os.chown(cache.blobs, uid, uid)  # sha256/ is the agent's, failed/ and the root are root's
     assert cache.failures.stat().st_uid == 0
-    assert command[0] == "python"
-    argv = [sys.executable, *command[1:]]
-    argv[argv.index("/cache")] = str(cache_root)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}/runtime"}
-    subprocess.run(argv, env=env, check=True, capture_output=True)
+    _run_init(command, cache_root)
     assert _as_agent(uid, cache_root) is None
     assert cache.failure(SHA) == "ModelDownloadFailed: HTTP 404"
+    for path in (cache.root, *cache.directories()):
+        info = path.stat()
+        assert (info.st_uid, info.st_gid, info.st_mode & 0o777) == (uid, uid, 0o755), path
+
+
+def test_the_init_container_adds_a_missing_directory_to_the_agents_cache(cache_root: Path) -> None:
+    """Every start after the first: the root is already the agent's, and root without
+    CAP_DAC_OVERRIDE cannot create in it (`Permission denied: '/cache/waiting'`, the init
+    container crash-looping on the real node)."""
+    command, uid = _init_container()
+    cache = ContentCache(cache_root)
+    for path in (cache.root, cache.blobs):
+        path.mkdir(mode=0o755)
+        os.chown(path, uid, uid)
+    _run_init(command, cache_root)
+    assert _as_agent(uid, cache_root) is None
     for path in (cache.root, *cache.directories()):
         info = path.stat()
         assert (info.st_uid, info.st_gid, info.st_mode & 0o777) == (uid, uid, 0o755), path

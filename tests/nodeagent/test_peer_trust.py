@@ -26,6 +26,7 @@ from ember_runtime.nodeagent.cache import ContentCache, FetchError, Want
 from ember_runtime.nodeagent.peerserver import Limits, PeerServer
 
 from tests.nodeagent import slowloris
+from tests.support.waiting import wait_for
 
 SIZE = (1 << 20) + 123
 DATA = os.urandom(SIZE)
@@ -207,14 +208,15 @@ def test_a_flood_evicts_its_own_kind_and_holds_no_thread_each(holder: PeerServer
     threads = threading.active_count()
     flood = [socket.create_connection(("127.0.0.1", holder.port)) for _ in range(200)]
     try:
-        time.sleep(0.3)
-        assert threading.active_count() <= threads + 2
+        # Under load (the whole suite on 2 cores) the accept loop may lag: wait for it.
+        wait_for("the oldest evicted", lambda: holder.stats.evicted >= 200 - 64, 10, 0.05)
+        # A thread per connection would be 200 more; allow the suite's own comings and goings.
+        assert threading.active_count() < threads + 20
         signed = peerauth.sign_request(X, "GET", PATH, "holder")
         started = time.monotonic()
         got = httpx.get(_url(holder), headers=signed, timeout=10)
         assert got.status_code == 200 and got.content == DATA
-        assert time.monotonic() - started < 1.0
-        assert holder.stats.evicted >= 200 - 64
+        assert time.monotonic() - started < 3.0  # not behind the 5 s header timeout
     finally:
         for s in flood:
             s.close()

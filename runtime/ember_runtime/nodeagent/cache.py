@@ -30,10 +30,12 @@ from urllib.parse import urlsplit
 import httpx
 
 from ember_runtime import reasons
+from ember_runtime.config import VIEWS_DIR
 from ember_runtime.durable import fsync_dir
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 
 log = logging.getLogger("ember_runtime.nodeagent.cache")
+USED_DIR = "used"  # <root>/used/<digest>: when a pod here last named it (nodeagent/evict)
 
 DEFAULT_ROOT = Path("/var/lib/ember/cache")
 CHUNK_BYTES = 1 << 20
@@ -104,8 +106,16 @@ class ContentCache:
         self.waiting = root / "waiting"  # why a download waits (a window), for prewarm
 
     def directories(self) -> tuple[Path, ...]:
-        """What the agent writes into (the chart's init container gives them to its uid)."""
-        return (self.blobs, self.failures, self.waiting)
+        """What the agent writes into (the chart's init container gives them to its uid): its
+        blobs, failure and waiting lines, the replicas' views (nodeagent/views.py) and the
+        eviction stamps (nodeagent/evict.py)."""
+        return (
+            self.blobs,
+            self.failures,
+            self.waiting,
+            self.root / VIEWS_DIR,
+            self.root / USED_DIR,
+        )
 
     def path(self, sha256: str) -> Path:
         return self.blobs / sha256

@@ -24,20 +24,36 @@ from ember_runtime.nodeagent.cache import ContentCache
 
 def prepare(root: Path, uid: int, gid: int | None = None) -> list[Path]:
     """Create and own the cache's directories; returns them. Raises OSError (a symlink or a
-    non-directory in the way, or no permission)."""
+    non-directory in the way, or no permission).
+
+    Without CAP_DAC_OVERRIDE root cannot create entries in a directory it does not own, and
+    the root is the agent's from any earlier start: so it is this process's while the missing
+    directories are made, and the agent's again after."""
     gid = uid if gid is None else gid
     cache = ContentCache(root)
+    _directory(cache.root)
+    os.chown(cache.root, os.geteuid(), os.getegid(), follow_symlinks=False)
     done = []
-    for path in (cache.root, *cache.directories()):
-        with suppress(FileExistsError):
-            path.mkdir(mode=0o755)
-        info = path.lstat()
-        if not stat.S_ISDIR(info.st_mode):
-            raise NotADirectoryError(f"{path} is not a directory (a symlink is refused)")
-        os.chown(path, uid, gid, follow_symlinks=False)
-        os.chmod(path, 0o755, follow_symlinks=False)  # noqa: S103 - prewarm (another uid) reads
-        done.append(path)
-    return done
+    try:
+        for path in cache.directories():
+            _directory(path)
+            _own(path, uid, gid)
+            done.append(path)
+    finally:
+        _own(cache.root, uid, gid)
+    return [cache.root, *done]
+
+
+def _directory(path: Path) -> None:
+    with suppress(FileExistsError):
+        path.mkdir(mode=0o755)
+    if not stat.S_ISDIR(path.lstat().st_mode):
+        raise NotADirectoryError(f"{path} is not a directory (a symlink is refused)")
+
+
+def _own(path: Path, uid: int, gid: int) -> None:
+    os.chown(path, uid, gid, follow_symlinks=False)
+    os.chmod(path, 0o755, follow_symlinks=False)  # noqa: S103 - prewarm (another uid) reads
 
 
 def main(argv: Sequence[str] | None = None) -> int:

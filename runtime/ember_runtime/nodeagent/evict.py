@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember_runtime.nodeagent.cache import ContentCache
+from ember_runtime.nodeagent.cache import USED_DIR, ContentCache
 from ember_runtime.nodeagent.fetcher import KubeReader, PodFetch
 from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.views import DigestViews, is_digest
@@ -74,7 +74,7 @@ class Evictor:
         self.max_bytes = max_bytes
         self.interval_seconds = interval_seconds
         self.labels = labels
-        self.stamps = cache.root / "used"
+        self.stamps = cache.root / USED_DIR
 
     async def run(self) -> None:
         while True:
