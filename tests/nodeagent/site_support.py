@@ -35,6 +35,7 @@ from tests.conftest import Kube
 from tests.thermal.kube_support import chart_objects, kubectl_apply, token_dir
 
 AGENT_SA = "ember-nodeagent"
+POLICY_RELOAD_SECONDS = 2.5
 POLICY = "validatingadmissionpolicy"
 LEASE_POLICY = "ember-nodeagent-own-leases"  # holds the node -> site map
 # The chart's siteSharing.siteLabel: what the agents read their site from.
@@ -197,6 +198,10 @@ class SiteWorld:
         var["expression"] = json.dumps(known)
         path.write_text(json.dumps(policy))
         self.kube.kubectl("replace", "-f", str(path))
+        # The API server reloads changed admission policies on a 1 s tick ("refreshing
+        # policies"): a Lease write straight after this could still meet the old map (a 403
+        # that failed a test once in a full run).
+        time.sleep(POLICY_RELOAD_SECONDS)
 
     def want(self, files: Sequence[dict[str, Any]] | None) -> None:
         """One pod per node wanting `files` (what the agents fetch; None: nothing yet)."""
