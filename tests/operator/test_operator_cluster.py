@@ -456,7 +456,7 @@ def test_http_source_prefers_cached_nodes_and_shows_each_nodes_download(
     tests/nodeagent/test_site_cluster.py's). Then both replicas' prewarms report
     ModelDownloading (the line prewarm itself writes, set on the pod status as the kubelet
     would): Degraded lists each node with its bytes and ETA, `kubectl get infd` shows
-    ModelDownloading, and an Event goes out per new report, not per refresh."""
+    ModelDownloading, and one Event goes out when the wait starts, not per report."""
     sha = uuid.uuid4().hex * 2  # this test's own digest: its label is on no other node
     # A node the spec's sites allow. The fleet is reused across the suite: an earlier test may
     # have made kwok-4 with 5 sites (site-4), which `placement.sites` rules out.
@@ -541,8 +541,8 @@ def test_http_source_prefers_cached_nodes_and_shows_each_nodes_download(
         lambda: rest.condition(_infd(kube, namespace, "dl"), "Degraded").get("message") == one,
         timeout=30,
     )
-    wait_for("the next Event", lambda: len(downloading()) > before, timeout=30)
-    time.sleep(3)  # refreshes in the meantime (pod events, resyncs) post nothing more
+    # The condition carries the live figures; the Event was for the wait starting (one per
+    # wait, not one per report: the agent reports every 30 s), so nothing more is posted.
+    time.sleep(3)  # refreshes in the meantime (pod events, resyncs) post nothing either
     events = downloading()
-    assert len(events) == before + 1, [e["message"] for e in events]
-    assert one in {e["message"] for e in events}
+    assert len(events) == before, [e["message"] for e in events]
