@@ -160,6 +160,18 @@ class SiteWorld:
     pods: list[str] = field(default_factory=list)
     _objects: list[dict[str, Any]] = field(default_factory=list)
 
+    def __enter__(self) -> SiteWorld:
+        """Installed (and closed again if installing fails part-way)."""
+        try:
+            self.install()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def install(self) -> None:
         """The chart's node-agent objects (not the DaemonSet) for `namespace`."""
         self._objects = [

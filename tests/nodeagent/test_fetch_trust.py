@@ -64,12 +64,8 @@ TOKEN = "origin-token-that-must-stay-home"
 
 @pytest.fixture
 def world(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[SiteWorld]:
-    world = SiteWorld(kube, namespace, tmp_path)
-    try:
-        world.install()
+    with SiteWorld(kube, namespace, tmp_path) as world:
         yield world
-    finally:
-        world.close()
 
 
 @pytest.fixture

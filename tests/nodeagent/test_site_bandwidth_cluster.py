@@ -33,13 +33,9 @@ RATE = 1_000_000  # bytes/s; each agent's bucket also allows a 1 MiB burst
 
 @pytest.fixture
 def world(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[SiteWorld]:
-    world = SiteWorld(kube, namespace, tmp_path)
-    try:
-        world.install()
+    with SiteWorld(kube, namespace, tmp_path) as world:
         world.add_nodes(["127.0.0.1"] * 2)
         yield world
-    finally:
-        world.close()
 
 
 def test_two_files_at_once_share_the_sites_bandwidth(world: SiteWorld, kube: Kube) -> None:

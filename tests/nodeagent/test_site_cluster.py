@@ -40,13 +40,9 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 
 @pytest.fixture
 def world(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[SiteWorld]:
-    world = SiteWorld(kube, namespace, tmp_path)
-    try:
-        world.install()
+    with SiteWorld(kube, namespace, tmp_path) as world:
         world.add_nodes(["127.0.0.1"] * 3)
         yield world
-    finally:
-        world.close()
 
 
 def _start(world: SiteWorld, kube: Kube, url: str, sha: str) -> None:

@@ -26,12 +26,8 @@ SHA = "ab" * 32
 
 @pytest.fixture
 def world(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[SiteWorld]:
-    world = SiteWorld(kube, namespace, tmp_path)
-    try:
-        world.install()
+    with SiteWorld(kube, namespace, tmp_path) as world:
         yield world
-    finally:
-        world.close()
 
 
 def _client(world: SiteWorld, kube: Kube, node: str) -> httpx.Client:
