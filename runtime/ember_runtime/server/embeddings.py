@@ -88,11 +88,8 @@ def _inputs(
     given: str | list[str] | list[int] | list[list[int]], embedder: Embedder, state: AppState
 ) -> list[list[int]]:
     """Each input as token ids, in order; a 400 naming `input` for one that cannot be."""
-    items: list[str | list[int]]
-    if isinstance(given, str) or (given and isinstance(given[0], int)):
-        items = [given]  # one input: a string or a list of token ids
-    else:
-        items = [*given]
+    one = isinstance(given, str) or bool(given and isinstance(given[0], int))
+    items: list[str | list[int]] = [given] if one else [*given]  # type: ignore[list-item]
     if not items:
         raise APIError(400, "input must not be empty", param="input", code="empty_input")
     if len(items) > MAX_INPUTS:
