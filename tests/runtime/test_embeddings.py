@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import shutil
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,9 +23,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from ember_runtime import reasons
 from ember_runtime.config import RuntimeConfig
 from ember_runtime.engines.base import EngineUnavailableError
-from ember_runtime.engines.embedding import Job, LlamaCppEmbedder, plan_step
+from ember_runtime.engines.embedding import Job, LlamaCppEmbedder, check_pooling, plan_step
 from ember_runtime.server.app import create_app
 from gguf import GGUFReader
 
@@ -301,9 +305,44 @@ def test_pooling_comes_from_the_gguf_unless_the_spec_sets_it(
     assert spec_wins == "last" and cosine(last, vec) < 0.999
 
 
+def test_the_header_names_the_pooling_before_the_model_loads(
+    pooled_gguf: Path, model_path: Path
+) -> None:
+    assert check_pooling(pooled_gguf, None) == "mean"
+    assert check_pooling(pooled_gguf, "cls") == "cls"
+    with pytest.raises(ValueError, match=r"gemma3\.pooling_type is 'none' \(absent"):
+        check_pooling(model_path, None)
+
+
 def test_a_gguf_without_pooling_needs_the_spec_to_name_one(model_path: Path) -> None:
+    # The engine's own guard, for an engine built without the server's preflight.
     with pytest.raises(EngineUnavailableError, match=r"set spec\.model\.pooling"):
         asyncio.run(embed_once(engine_for(model_path, None), SENTENCES[0]))
+
+
+def test_the_runtime_refuses_to_start_without_a_pooling(model_path: Path, tmp_path: Path) -> None:
+    log = tmp_path / "termination-log"
+    config = embed_config(tmp_path / "sysfs", pooling=None).model_copy(
+        update={"termination_log": str(log)}
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text(config.to_yaml())
+    env = {k: v for k, v in os.environ.items() if k != "EMBER_CONFIG"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ember_runtime.server", "--config", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    parsed = reasons.parse_termination_message(log.read_text())
+    assert parsed is not None
+    reason, detail = parsed
+    assert reason == reasons.RUNTIME_START_FAILED
+    assert "set spec.model.pooling to mean, cls or last" in detail
+    assert "embedding engine ready" not in done.stderr  # refused before loading the model
 
 
 # --- the batch plan (pure) -------------------------------------------------------------------

@@ -45,12 +45,32 @@ from ember_runtime.engines.base import (
     StepStats,
 )
 from ember_runtime.engines.llamacpp import load_model, tokenize
+from ember_runtime.gguf_header import read_header
 
 log = logging.getLogger(__name__)
 
 POOLING_NAMES = {1: "mean", 2: "cls", 3: "last"}  # llama_pooling_type values that give one vector
 _NOT_ONE_VECTOR = {0: "none", 4: "rank"}
 _NOT_GENERATING = "this deployment serves embeddings (model.task embed): use /v1/embeddings"
+
+
+def check_pooling(model: Path, pooling: str | None) -> str:
+    """The pooling a model will embed with: `pooling`, else its GGUF's `<arch>.pooling_type`.
+    Raises ValueError, saying what to set, when that gives no single vector per input. Read
+    from the header before the model loads, so the pod's termination message carries it."""
+    if pooling is not None:
+        return pooling
+    header = read_header(model)
+    key = f"{header.get('general.architecture', '')}.pooling_type"
+    kind = header.get(key, 0)  # llama.cpp's default when the key is absent: none
+    if isinstance(kind, int) and kind in POOLING_NAMES:
+        return POOLING_NAMES[kind]
+    what = _NOT_ONE_VECTOR.get(kind, str(kind)) if isinstance(kind, int) else str(kind)
+    raise ValueError(
+        f"{model.name}: the GGUF's {key} is {what!r}"
+        f"{' (absent: a generative model names none)' if key not in header else ''}, which "
+        "gives no vector per input; set spec.model.pooling to mean, cls or last"
+    )
 
 
 @dataclass(eq=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ember_runtime.config import RuntimeConfig
+from ember_runtime.engines.embedding import check_pooling
 from ember_runtime.memory import (
     EngineMemory,
     Offload,
@@ -17,7 +18,8 @@ from ember_runtime.memory import (
 
 
 def preflight(config: RuntimeConfig, model: Path, cgroup_root: Path) -> EngineMemory | None:
-    """Before loading anything: refuse to start when the engine cannot fit in this container.
+    """Before loading anything: refuse to start when the engine cannot fit in this container,
+    or (model.task embed) when neither the spec nor the GGUF names a pooling.
 
     Only for GGUF models on the llama.cpp engine (None otherwise). Weights served from the
     prewarm volume are charged to the pod, not to this container, so they do not count here;
@@ -25,6 +27,8 @@ def preflight(config: RuntimeConfig, model: Path, cgroup_root: Path) -> EngineMe
     """
     if config.engine.kind != "llamacpp" or model.suffix != ".gguf":
         return None
+    if config.task == "embed":
+        check_pooling(model, config.pooling)  # a ValueError says to set model.pooling
     modes = config.engine.llamacpp_modes()
     shape = read_gguf_shape(model)
     offload = Offload.of(config.engine.offloaded_layers(config.accelerator), shape.layers)
