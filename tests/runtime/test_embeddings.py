@@ -247,6 +247,9 @@ def test_a_generating_deployment_refuses_embeddings(server: LiveServer) -> None:
     body = refused.value.body
     assert isinstance(body, dict) and body["param"] == "model"
     assert "model.task embed" in body["message"]
+    # Whatever the body: the deployment's task is the answer, not the body's first flaw.
+    bad = httpx.post(f"{server.url}/v1/embeddings", json={"input": []}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
 
 
 # --- pooling ---------------------------------------------------------------------------------

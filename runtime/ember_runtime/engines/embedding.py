@@ -339,16 +339,18 @@ class LlamaCppEmbedder:
             return
         finally:
             self._active = 0
-        for job, i in items:
-            job.results[i] = vectors[seq_of[tuple(job.inputs[i])]]
-            job.done += 1
-            if job.done == len(job.inputs):
-                _settle(job, [r for r in job.results if r is not None])
+        # Counted before any reply goes out: a client that reads state() after its answer
+        # must see the step that computed it.
         self._steps += 1
         self._last_step_sequences = len(seq_of)
         if self._observer is not None:
             tokens = sum(len(key) for key in seq_of)
             self._observer(StepStats(time.perf_counter() - started, len(seq_of), tokens))
+        for job, i in items:
+            job.results[i] = vectors[seq_of[tuple(job.inputs[i])]]
+            job.done += 1
+            if job.done == len(job.inputs):
+                _settle(job, [r for r in job.results if r is not None])
 
     def _decode(self, seq_of: dict[tuple[int, ...], int]) -> list[np.ndarray]:
         """One `llama_decode` over the distinct inputs; their normalised vectors by seq_id."""

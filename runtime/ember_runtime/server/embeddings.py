@@ -39,9 +39,27 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None  # labels a request at OpenAI; changes nothing
 
 
+def _embedder(state: StateDep) -> Embedder:
+    """The engine, when this deployment embeds: resolved before the body is read, so a
+    generating deployment answers any /v1/embeddings request the same way."""
+    engine = state.engine
+    if engine.info.task != "embed" or not isinstance(engine, Embedder):
+        raise APIError(
+            400,
+            f"{engine.info.model_id} is served for text generation (model.task generate); "
+            "/v1/embeddings needs an InferenceDeployment with model.task embed",
+            param="model",
+            code="model_not_supported",
+        )
+    return engine
+
+
 @router.post("/v1/embeddings", response_model=None)
-async def embeddings(body: EmbeddingRequest, state: StateDep) -> JSONResponse:
-    embedder = _embedder(state)
+async def embeddings(
+    body: EmbeddingRequest,
+    state: StateDep,
+    embedder: Annotated[Embedder, Depends(_embedder)],
+) -> JSONResponse:
     if body.dimensions is not None and body.dimensions != embedder.dimensions:
         raise APIError(
             400,
@@ -69,19 +87,6 @@ async def embeddings(body: EmbeddingRequest, state: StateDep) -> JSONResponse:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
     )
-
-
-def _embedder(state: AppState) -> Embedder:
-    engine = state.engine
-    if engine.info.task != "embed" or not isinstance(engine, Embedder):
-        raise APIError(
-            400,
-            f"{engine.info.model_id} is served for text generation (model.task generate); "
-            "/v1/embeddings needs an InferenceDeployment with model.task embed",
-            param="model",
-            code="model_not_supported",
-        )
-    return engine
 
 
 def _inputs(
