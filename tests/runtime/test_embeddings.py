@@ -27,10 +27,13 @@ from ember_runtime import reasons
 from ember_runtime.config import RuntimeConfig
 from ember_runtime.engines.base import EngineUnavailableError
 from ember_runtime.engines.embedding import Job, LlamaCppEmbedder, check_pooling, plan_step
+from ember_runtime.memory import MemoryLimitError
 from ember_runtime.server.app import create_app
+from ember_runtime.server.preflight import preflight
 from gguf import GGUFReader
 
 from tests.runtime.conftest import CONTEXT, LiveServer, make_config, start_live
+from tests.runtime.test_memory import fake_cgroup
 
 SENTENCES = [
     "The cat sat on the mat.",
@@ -346,6 +349,19 @@ def test_the_runtime_refuses_to_start_without_a_pooling(model_path: Path, tmp_pa
     assert reason == reasons.RUNTIME_START_FAILED
     assert "set spec.model.pooling to mean, cls or last" in detail
     assert "embedding engine ready" not in done.stderr  # refused before loading the model
+
+
+def test_the_memory_check_counts_every_token_as_an_output(model_path: Path, tmp_path: Path) -> None:
+    # A limit the generating engine fits in (context 512, 4 sequences: ~10 MiB of logits)
+    # but the embedding engine does not (512 rows of 262k logits, twice: ~1 GiB).
+    generate = make_config(tmp_path / "g").model_copy(
+        update={"prewarm_dir": str(model_path.parent)}
+    )
+    embed = embed_config(tmp_path / "e").model_copy(update={"prewarm_dir": str(model_path.parent)})
+    limit = fake_cgroup(tmp_path / "cg", str(768 * 2**20))
+    assert preflight(generate, model_path, limit) is not None
+    with pytest.raises(MemoryLimitError, match="compute 10"):
+        preflight(embed, model_path, limit)
 
 
 # --- the batch plan (pure) -------------------------------------------------------------------

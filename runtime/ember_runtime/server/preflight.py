@@ -12,6 +12,7 @@ from ember_runtime.memory import (
     Offload,
     cgroup_memory_limit,
     check_limit,
+    embedding_memory,
     engine_memory,
     read_gguf_shape,
 )
@@ -29,16 +30,19 @@ def preflight(config: RuntimeConfig, model: Path, cgroup_root: Path) -> EngineMe
         return None
     if config.task == "embed":
         check_pooling(model, config.pooling)  # a ValueError says to set model.pooling
-    modes = config.engine.llamacpp_modes()
     shape = read_gguf_shape(model)
     offload = Offload.of(config.engine.offloaded_layers(config.accelerator), shape.layers)
-    need = engine_memory(
-        shape,
-        context=config.engine.context_length,
-        sequences=config.engine.max_batch_size,
-        step_tokens=config.engine.step_tokens,
-        unified=modes.kv_unified,
-        offload=offload,
+    need = (
+        embedding_memory(shape, context=config.engine.context_length, offload=offload)
+        if config.task == "embed"
+        else engine_memory(
+            shape,
+            context=config.engine.context_length,
+            sequences=config.engine.max_batch_size,
+            step_tokens=config.engine.step_tokens,
+            unified=config.engine.llamacpp_modes().kv_unified,
+            offload=offload,
+        )
     )
     prewarmed = config.prewarm_dir is not None and model.is_relative_to(config.prewarm_dir)
     weights = 0 if prewarmed else offload.split(model.stat().st_size)[0]
