@@ -142,6 +142,8 @@ def runtime_config(
     return RuntimeConfig(
         model_name=spec.model.name,
         format=spec.model.format.value,
+        task=spec.model.task.value,
+        pooling=spec.model.pooling.value if spec.model.pooling else None,
         model_dir=settings.model_mount,
         files=[
             ModelFile(path=f.path, sha256=f.sha256, size_bytes=f.size_bytes)

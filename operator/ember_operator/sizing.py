@@ -32,6 +32,7 @@ from typing import Any
 from ember_runtime.memory import (
     GGUFShape,
     Offload,
+    embedding_memory,
     engine_memory,
     kv_cells,
     offloaded_layers,
@@ -40,7 +41,7 @@ from ember_runtime.memory import (
 )
 
 from ember_operator import quantity
-from ember_operator.api.models import InferenceDeploymentSpec, ModelFormat
+from ember_operator.api.models import InferenceDeploymentSpec, ModelFormat, ModelTask
 from ember_operator.settings import OperatorSettings
 
 SHM_SLACK_BYTES = 64 * quantity.MIB
@@ -127,13 +128,17 @@ def _engine_need(
     """(host KV, host compute, device KV, device compute) bytes for one replica."""
     context, sequences = spec.engine.context_length, spec.engine.max_batch_size
     if shape is not None:  # the engine's own rule: the runtime checks the same at start
-        need = engine_memory(
-            shape,
-            context=context,
-            sequences=sequences,
-            overhead=overhead,
-            unified=unified_kv(spec.engine.deterministic),
-            offload=offload,
+        need = (
+            embedding_memory(shape, context=context, overhead=overhead, offload=offload)
+            if spec.model.task == ModelTask.EMBED
+            else engine_memory(
+                shape,
+                context=context,
+                sequences=sequences,
+                overhead=overhead,
+                unified=unified_kv(spec.engine.deterministic),
+                offload=offload,
+            )
         )
         return need.kv_cache, need.compute_buffer, need.device_kv_cache, need.device_compute_buffer
     kv, buf = _estimate(total, kv_cells(context, sequences))

@@ -421,6 +421,13 @@ def parse_thermal_condition(conditions: list[dict[str, Any]] | None) -> ThermalR
 class RuntimeConfig(_Wire):
     model_name: str
     format: Literal["gguf", "trtllm-engine"] = "gguf"
+    task: Literal["generate", "embed"] = Field(
+        default="generate",
+        description="generate: completions and chat; embed: /v1/embeddings (engines/embedding).",
+    )
+    pooling: Literal["mean", "cls", "last"] | None = Field(
+        default=None, description="embed: pooling type; None: the GGUF's <arch>.pooling_type."
+    )
     model_dir: str = Field(description="Where the model's files are mounted (the source).")
     files: list[ModelFile] = Field(default_factory=list)
     model_layout: Literal["paths", "sha256"] = Field(
@@ -445,6 +452,14 @@ class RuntimeConfig(_Wire):
     thermal: ThermalPolicy = Field(default_factory=ThermalPolicy)
     termination_log: str = "/dev/termination-log"
 
+    @model_validator(mode="after")
+    def _embed_settings(self) -> Self:
+        if self.pooling is not None and self.task != "embed":
+            raise ValueError("pooling only applies to task embed")
+        if self.task == "embed" and self.engine.kind != "llamacpp":
+            raise ValueError("task embed requires the llamacpp engine")
+        return self
+
     def total_bytes(self) -> int:
         return sum(f.size_bytes for f in self.files)
 
@@ -467,7 +482,7 @@ class RuntimeConfig(_Wire):
         return dump_yaml(data, sort_keys=False)
 
 
-_NEWER_FIELDS = ("model_layout", "model_wait_seconds")
+_NEWER_FIELDS = ("model_layout", "model_wait_seconds", "task", "pooling")
 _DEFAULTS = {k: RuntimeConfig.model_fields[k].default for k in _NEWER_FIELDS}
 
 

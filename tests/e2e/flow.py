@@ -288,6 +288,14 @@ class Flow:
             },
         }
 
+    def embedding_manifest(self, name: str, namespace: str) -> dict[str, Any]:
+        """The same GGUF served for embeddings on the CPU: Gemma's GGUF names no pooling (a
+        generative model), so the spec sets mean."""
+        manifest = self.model_manifest(name, namespace)
+        manifest["spec"]["model"].update(task="embed", pooling="mean")
+        manifest["spec"]["engine"].update(contextLength=512, maxBatchSize=4, minBatchSize=2)
+        return manifest
+
     def apply(self, manifest: dict[str, Any]) -> None:
         cmd = [self.kubectl, f"--kubeconfig={self.target.kubeconfig}", "apply", "-f", "-"]
         proc = subprocess.run(
@@ -468,6 +476,17 @@ class Flow:
     def complete(self, local_port: int, prompt: str, on_token: Callable[[str], None]) -> str:
         """A streamed /v1/completions request (plain text continuation)."""
         return self._stream(local_port, "completions", {"prompt": prompt}, on_token)
+
+    def embed(self, local_port: int, inputs: list[str]) -> list[list[float]]:
+        """A /v1/embeddings request; the vectors in input order (checked by their index)."""
+        url = f"http://127.0.0.1:{local_port}/v1/embeddings"
+        body = {"model": "gemma-3-270m", "input": inputs, "encoding_format": "float"}
+        resp = httpx.post(url, json=body, timeout=120)
+        resp.raise_for_status()
+        data = resp.json()["data"]
+        if [d["index"] for d in data] != list(range(len(inputs))):
+            raise AssertionError(f"embeddings out of order: {[d['index'] for d in data]}")
+        return [d["embedding"] for d in data]
 
     def _stream(
         self, local_port: int, path: str, fields: dict[str, Any], on_token: Callable[[str], None]

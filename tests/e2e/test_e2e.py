@@ -1,6 +1,6 @@
 """End to end on the real local cluster: Helm → operator + device plugin → prewarm → runtime →
-streamed chat → thermal loop → uninstall. The steps are tests/e2e/flow.py's, shared with
-`make demo` and `make e2e-kind`.
+streamed chat → thermal loop → an embedding deployment → uninstall. The steps are
+tests/e2e/flow.py's, shared with `make demo` and `make e2e-kind`.
 
 On failure the test output carries events, `describe` and pod logs (Flow.dumping).
 """
@@ -134,6 +134,28 @@ def test_edit_replaces_the_replica_on_a_full_node(flow: Flow, served: str) -> No
     deploy = json.loads(flow.run_kubectl("get", "deploy", NAME, "-n", served, "-o", "json"))
     assert deploy["status"].get("updatedReplicas") == 1, deploy["status"]
     assert new != old
+
+
+def test_an_embedding_deployment_serves_embeddings_only(flow: Flow, served: str) -> None:
+    """A second InferenceDeployment, model.task embed, beside the generating one: its Service
+    answers /v1/embeddings and refuses chat; removed again so later steps see one replica."""
+    name = f"{NAME}-embed"
+    try:
+        with flow.dumping(served):
+            flow.apply(flow.embedding_manifest(name, served))
+            flow.wait_ready(name, served)
+            with flow.port_forward(name, served, 8080) as port:
+                vectors = flow.embed(port, ["The cat sat on the mat.", "Name one colour."])
+                refused = httpx.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "Hi"}]},
+                    timeout=60,
+                )
+        assert [len(v) for v in vectors] == [640, 640]  # Gemma 3 270M's width
+        assert vectors[0] != vectors[1]
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    finally:
+        flow.run_kubectl("delete", "infd", name, "-n", served, "--ignore-not-found", "--wait")
 
 
 def test_operator_was_never_refused_by_its_rbac(flow: Flow, served: str) -> None:

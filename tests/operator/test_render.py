@@ -22,6 +22,11 @@ def _render(settings: OperatorSettings = SETTINGS, **overrides: Any) -> dict[str
     return {m["kind"]: m for m in render.render(OWNER, spec, settings, sized)}
 
 
+def _hash_of(out: dict[str, dict[str, Any]]) -> str:
+    annotations = out["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    return str(annotations[render.CONFIG_HASH_ANNOTATION])
+
+
 def _pod(out: dict[str, dict[str, Any]]) -> dict[str, Any]:
     pod: dict[str, Any] = out["Deployment"]["spec"]["template"]["spec"]
     return pod
@@ -184,6 +189,35 @@ def test_deterministic_reaches_the_runtime_config() -> None:
     assert config.engine.llamacpp_modes().deterministic
 
 
+def test_an_embedding_model_reaches_the_runtime_config() -> None:
+    def config_of(model: dict[str, Any]) -> RuntimeConfig:
+        data = _render(model=model)["ConfigMap"]["data"]["config.yaml"]
+        return RuntimeConfig.model_validate(yaml.safe_load(data))
+
+    model = manifest()["spec"]["model"]
+    chosen = config_of({**model, "task": "embed", "pooling": "last"})
+    assert (chosen.task, chosen.pooling) == ("embed", "last")
+    from_gguf = config_of({**model, "task": "embed"})
+    assert (from_gguf.task, from_gguf.pooling) == ("embed", None)
+    default = config_of(model)
+    assert (default.task, default.pooling) == ("generate", None)
+
+
+def test_the_task_rolls_the_replicas_and_its_default_rolls_none() -> None:
+    model = manifest()["spec"]["model"]
+    plain = _render()
+    assert _hash_of(_render(model={**model, "task": "generate"})) == _hash_of(plain)
+    assert (
+        "task"
+        not in RuntimeConfig.model_validate(
+            yaml.safe_load(plain["ConfigMap"]["data"]["config.yaml"])
+        ).restart_relevant_yaml()
+    )
+    embed = _render(model={**model, "task": "embed"})
+    assert _hash_of(embed) != _hash_of(plain)
+    assert _hash_of(_render(model={**model, "task": "embed", "pooling": "cls"})) != _hash_of(embed)
+
+
 def test_gpu_layers_reach_the_runtime_config_and_sizing() -> None:
     out = _render(accelerator={"kind": "nvidia-gpu"}, engine={"gpuLayers": 20})
     data = out["ConfigMap"]["data"]
@@ -197,12 +231,8 @@ def test_gpu_layers_reach_the_runtime_config_and_sizing() -> None:
 
 
 def test_config_hash_changes_with_the_spec_only() -> None:
-    def hash_of(out: dict[str, dict[str, Any]]) -> str:
-        annotations = out["Deployment"]["spec"]["template"]["metadata"]["annotations"]
-        return str(annotations[render.CONFIG_HASH_ANNOTATION])
-
-    assert hash_of(_render()) == hash_of(_render())
-    assert hash_of(_render()) != hash_of(_render(engine={"contextLength": 4096}))
+    assert _hash_of(_render()) == _hash_of(_render())
+    assert _hash_of(_render()) != _hash_of(_render(engine={"contextLength": 4096}))
 
 
 def test_a_thermal_policy_change_reaches_the_configmap_but_restarts_nothing() -> None:

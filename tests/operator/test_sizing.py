@@ -204,3 +204,20 @@ def test_without_a_header_the_gpu_estimate_is_an_upper_bound_on_both_sides() -> 
     assert full.kv_cache_bytes == 0 and full.device_kv_cache_bytes > 0
     # Unknown depth: 10 layers may be all of them or a few, so each side counts everything.
     assert some.kv_cache_bytes == some.device_kv_cache_bytes == full.device_kv_cache_bytes
+
+
+def test_an_embedding_deployment_is_sized_for_every_token_as_an_output(gemma_gguf: Path) -> None:
+    # The embedding engine holds one pool of contextLength cells (not one per sequence), and
+    # llama.cpp makes every token of a call an output: Gemma's 262k-row output layer sized for
+    # contextLength rows, in the output buffer and the graph (engines/embedding, memory.py).
+    settings = OperatorSettings()
+    shape = memory.read_gguf_shape(gemma_gguf)
+    spec = _spec_for(gemma_gguf)
+    spec["model"].update(task="embed", pooling="mean")
+    embed = parse_spec(spec)
+    sized = sizing.compute(embed, settings, shape)
+    assert sized.kv_cache_bytes == 18 * 2048 * 1 * (256 + 256) * 2  # one pool of 2048 cells
+    every_row = 2 * shape.vocab * 2048 * 4
+    assert every_row <= sized.compute_buffer_bytes <= 1.1 * every_row
+    generate = sizing.compute(parse_spec(_spec_for(gemma_gguf)), settings, shape)
+    assert sized.memory_bytes > generate.memory_bytes + 3 * 2**30  # ~4 GiB more at 2048

@@ -260,6 +260,22 @@ REJECT: list[tuple[str, Change, str]] = [
         spec(resources={"requests": {f"example.com/r{i}": 1 for i in range(17)}}),
         "must have at most 16 items",
     ),
+    (
+        "pooling-without-embed",
+        path("spec.model.pooling", "mean"),
+        "model.pooling only applies to model.task embed",
+    ),
+    (
+        "embed-on-tensorrt",
+        spec(**{**TRT, "model": {**TRT_MODEL, "task": "embed"}}),
+        "model.task embed requires engine.kind llamacpp",
+    ),
+    (
+        "pooling-none",  # one vector per input, or /v1/embeddings cannot answer
+        path("spec.model", {**MODEL, "task": "embed", "pooling": "none"}),
+        'Unsupported value: "none": supported values: "mean", "cls", "last"',
+    ),
+    ("unknown-task", path("spec.model.task", "rerank"), 'Unsupported value: "rerank"'),
 ]
 
 ACCEPT: list[tuple[str, Change]] = [
@@ -302,6 +318,9 @@ ACCEPT: list[tuple[str, Change]] = [
     ("zero-replicas", spec(replicas=0)),
     ("name-56", path("metadata.name", "a" * 56)),
     ("integer-quantity", spec(prewarm={"sharedMemoryLimit": 1073741824})),
+    ("embed-pooling-from-the-gguf", path("spec.model.task", "embed")),
+    ("embed-with-pooling", path("spec.model", {**MODEL, "task": "embed", "pooling": "cls"})),
+    ("generate-explicitly", path("spec.model.task", "generate")),
 ]
 
 

@@ -98,6 +98,20 @@ class ThermalPolicy(StrEnum):
     OFF = "off"
 
 
+class ModelTask(StrEnum):
+    GENERATE = "generate"
+    EMBED = "embed"
+
+
+class Pooling(StrEnum):
+    """How an embedding model's token vectors become one vector per input (llama.cpp's pooling
+    types that give one; `none` and `rank` do not, so /v1/embeddings cannot serve them)."""
+
+    MEAN = "mean"
+    CLS = "cls"
+    LAST = "last"
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -254,6 +268,10 @@ class ModelSpec(Wire):
                 "self.source.http.urls.all(k, self.files.exists(f, f.path == k))",
                 "model.source.http.urls may only name paths listed in model.files",
             ),
+            cel(
+                "!has(self.pooling) || self.task == 'embed'",
+                "model.pooling only applies to model.task embed",
+            ),
         )
     )
 
@@ -264,6 +282,17 @@ class ModelSpec(Wire):
     source: ModelSource = Field(description="Where the files come from.")
     files: list[ModelFile] = Field(
         min_length=1, max_length=64, description="Every file of the model, verified by prewarm."
+    )
+    task: ModelTask = Field(
+        default=ModelTask.GENERATE,
+        description="generate: serve /v1/completions and /v1/chat/completions; embed: serve "
+        "/v1/embeddings (one L2-normalised vector per input) and refuse the other two.",
+    )
+    pooling: Pooling | None = Field(
+        default=None,
+        description="embed: how the token vectors of an input become one vector (mean, cls or "
+        "last). Default: the GGUF's `<arch>.pooling_type`; a model whose GGUF names none "
+        "(a generative model) needs it set here, else the runtime refuses to start.",
     )
 
 
@@ -496,6 +525,10 @@ _SPEC_RULES = rules(
     cel(
         "self.model.format != 'gguf' || self.engine.kind == 'llamacpp'",
         "model.format gguf requires engine.kind llamacpp",
+    ),
+    cel(
+        "self.model.task != 'embed' || self.engine.kind == 'llamacpp'",
+        "model.task embed requires engine.kind llamacpp",
     ),
     # Prewarm is what waits for the node agent's cache and lays the files out under their
     # names; without it the runtime would look for them before they exist.

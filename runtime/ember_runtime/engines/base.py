@@ -8,9 +8,12 @@ llama.cpp engine (continuous batching on CPU) and the TensorRT-LLM adapter are i
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class EngineError(Exception):
@@ -168,6 +171,9 @@ class EngineInfo:
     # Optional request features this engine implements: "logprobs", "grammar". The server
     # answers 400 for a request that needs one the engine lacks, never ignores it.
     features: frozenset[str] = frozenset()
+    # What the deployment serves (its model.task): "generate" (completions, chat) or "embed"
+    # (/v1/embeddings, by an engine that is also an `Embedder`).
+    task: str = "generate"
 
 
 class Engine(Protocol):
@@ -191,3 +197,21 @@ class Engine(Protocol):
         """Takes effect at the next scheduling step; raises ValueError if out of range."""
 
     def state(self) -> EngineState: ...
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """An engine of a `task: embed` deployment: one vector per input (engines/embedding)."""
+
+    info: EngineInfo
+
+    @property
+    def dimensions(self) -> int:
+        """Length of every vector."""
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+
+    def embed(self, inputs: list[list[int]]) -> Awaitable[list[np.ndarray]]:
+        """Queue the inputs (token ids) as one request; raises QueueFullError or
+        EngineStoppingError at once. Resolves to their L2-normalised float32 vectors, in
+        order; cancelling the awaitable drops the inputs not yet computed."""

@@ -127,6 +127,46 @@ def _install_log_callback(llama: Any) -> None:
     llama.llama_log_set(_log_callback, ctypes.c_void_p(0))
 
 
+def load_model(path: Path, *, gpu_layers: int, repack: bool) -> tuple[Any, Any]:
+    """The llama_cpp module and the model at `path` (memory-mapped, `gpu_layers` offloaded);
+    raises EngineUnavailableError with the reason. Shared by the generation and embedding
+    engines (engines/embedding.py)."""
+    try:
+        import llama_cpp as ll  # noqa: PLC0415 - heavy; loaded when the engine starts
+    except ImportError as exc:  # pragma: no cover - the runtime extra pins it
+        raise EngineUnavailableError(f"llama-cpp-python is not installed: {exc}") from exc
+    if not path.is_file():
+        raise EngineUnavailableError(f"model file not found: {path}")
+    _install_log_callback(ll)
+    ll.llama_backend_init()
+    mparams = ll.llama_model_default_params()
+    mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP  # share pages with prewarm's copy
+    mparams.n_gpu_layers = gpu_layers
+    if gpu_layers and not ll.llama_supports_gpu_offload():
+        # A CPU-only build asked to offload (the CPU image on a GPU node): serve anyway,
+        # slowly, and say why in the log rather than refuse.
+        log.warning("gpu_layers=%d but this llama.cpp has no GPU backend", gpu_layers)
+    # Repacked weights (AVX2 gemm on 4/8 columns, gemv for the rest) are faster and round
+    # differently for one token than for several: off in deterministic mode. Where the CPU
+    # has no repacked kernels llama.cpp keeps the plain layout.
+    mparams.use_extra_bufts = repack
+    model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise EngineUnavailableError(f"llama.cpp could not load {path}")
+    return ll, model
+
+
+def tokenize(ll: Any, vocab: Any, text: str, *, add_special: bool) -> list[int]:
+    """`text` as token ids of `vocab` (special tokens in the text are parsed as such)."""
+    data = text.encode()
+    buf = (ctypes.c_int32 * (len(data) + 8))()
+    n = ll.llama_tokenize(vocab, data, len(data), buf, len(buf), add_special, True)
+    if n < 0:
+        buf = (ctypes.c_int32 * -n)()
+        n = ll.llama_tokenize(vocab, data, len(data), buf, -n, add_special, True)
+    return list(buf[:n])
+
+
 class _Stream:
     """The event-loop side of one request: a queue of deltas and a cancel flag."""
 
@@ -365,29 +405,10 @@ class LlamaCppEngine:
         self._free()
 
     def _load(self) -> None:
-        try:
-            import llama_cpp as ll  # noqa: PLC0415 - heavy; loaded when the engine starts
-        except ImportError as exc:  # pragma: no cover - the runtime extra pins it
-            raise EngineUnavailableError(f"llama-cpp-python is not installed: {exc}") from exc
-        if not self._path.is_file():
-            raise EngineUnavailableError(f"model file not found: {self._path}")
-        self._ll = ll
-        _install_log_callback(ll)
-        ll.llama_backend_init()
-        mparams = ll.llama_model_default_params()
-        mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP  # share pages with prewarm's copy
-        mparams.n_gpu_layers = self._gpu_layers
-        if self._gpu_layers and not ll.llama_supports_gpu_offload():
-            # A CPU-only build asked to offload (the CPU image on a GPU node): serve anyway,
-            # slowly, and say why in the log rather than refuse.
-            log.warning("gpu_layers=%d but this llama.cpp has no GPU backend", self._gpu_layers)
-        # Repacked weights (AVX2 gemm on 4/8 columns, gemv for the rest) are faster and round
-        # differently for one token than for several: off in deterministic mode. Where the CPU
-        # has no repacked kernels llama.cpp keeps the plain layout.
-        mparams.use_extra_bufts = self._repack
-        self._model = ll.llama_model_load_from_file(str(self._path).encode(), mparams)
-        if not self._model:
-            raise EngineUnavailableError(f"llama.cpp could not load {self._path}")
+        self._ll, self._model = load_model(
+            self._path, gpu_layers=self._gpu_layers, repack=self._repack
+        )
+        ll = self._ll
         self._ctx = ll.llama_init_from_model(self._model, self._context_params(ll))
         if not self._ctx:
             raise EngineUnavailableError("llama.cpp could not create a context (memory?)")
@@ -542,13 +563,7 @@ class LlamaCppEngine:
     # --- the Engine API (event loop side) ----------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        data = text.encode()
-        buf = (ctypes.c_int32 * (len(data) + 8))()
-        n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, len(buf), add_special, True)
-        if n < 0:
-            buf = (ctypes.c_int32 * -n)()
-            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, -n, add_special, True)
-        return list(buf[:n])
+        return tokenize(self._ll, self._vocab, text, add_special=add_special)
 
     def render_chat(self, messages: list[ChatMessage]) -> str:
         """The GGUF's Jinja template when it has one, else llama.cpp's built-in template for the

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from ember_runtime.config import RuntimeConfig
 from ember_runtime.engines.base import Engine, StepObserver
 from ember_runtime.sensors import TemperatureSource, build_source, telemetry_of
-from ember_runtime.server import admin, errors, routes
+from ember_runtime.server import admin, embeddings, errors, routes
 from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.middleware import BodyLimit, RequestCounter
 from ember_runtime.server.settings import read_api_key, resolve_model_path
@@ -42,6 +42,8 @@ def build_engine(
             max_queue=config.server.max_queue,
             model_id=config.model_name,
         )
+    if config.task == "embed":
+        return _embedder(config, model_path, observer)
     from ember_runtime.engines.device_sampling import DeviceSampling  # noqa: PLC0415
     from ember_runtime.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
@@ -61,6 +63,24 @@ def build_engine(
         gpu_layers=config.engine.offloaded_layers(config.accelerator),
         sampler_threads=config.engine.sampler_threads,
         device_sampling=DeviceSampling(config.engine.device_sampling),
+        observer=observer,
+    )
+
+
+def _embedder(
+    config: RuntimeConfig, model_path: Path | None, observer: StepObserver | None
+) -> Engine:
+    from ember_runtime.engines.embedding import LlamaCppEmbedder  # noqa: PLC0415
+
+    return LlamaCppEmbedder(
+        resolve_model_path(config, model_path),
+        context_length=config.engine.context_length,
+        capacity=config.engine.max_batch_size,
+        threads=config.engine.threads,
+        max_queue=config.server.max_queue,
+        pooling=config.pooling,
+        model_id=config.model_name,
+        gpu_layers=config.engine.offloaded_layers(config.accelerator),
         observer=observer,
     )
 
@@ -162,6 +182,7 @@ def create_app(
     errors.install(app)
     app.include_router(routes.probes)
     app.include_router(routes.api)
+    app.include_router(embeddings.router)
     app.include_router(admin.router)
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(BodyLimit, limit=config.server.max_body_bytes)

@@ -6,18 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from ember_runtime.config import RuntimeConfig
+from ember_runtime.engines.embedding import check_pooling
 from ember_runtime.memory import (
     EngineMemory,
     Offload,
     cgroup_memory_limit,
     check_limit,
+    embedding_memory,
     engine_memory,
     read_gguf_shape,
 )
 
 
 def preflight(config: RuntimeConfig, model: Path, cgroup_root: Path) -> EngineMemory | None:
-    """Before loading anything: refuse to start when the engine cannot fit in this container.
+    """Before loading anything: refuse to start when the engine cannot fit in this container,
+    or (model.task embed) when neither the spec nor the GGUF names a pooling.
 
     Only for GGUF models on the llama.cpp engine (None otherwise). Weights served from the
     prewarm volume are charged to the pod, not to this container, so they do not count here;
@@ -25,16 +28,21 @@ def preflight(config: RuntimeConfig, model: Path, cgroup_root: Path) -> EngineMe
     """
     if config.engine.kind != "llamacpp" or model.suffix != ".gguf":
         return None
-    modes = config.engine.llamacpp_modes()
+    if config.task == "embed":
+        check_pooling(model, config.pooling)  # a ValueError says to set model.pooling
     shape = read_gguf_shape(model)
     offload = Offload.of(config.engine.offloaded_layers(config.accelerator), shape.layers)
-    need = engine_memory(
-        shape,
-        context=config.engine.context_length,
-        sequences=config.engine.max_batch_size,
-        step_tokens=config.engine.step_tokens,
-        unified=modes.kv_unified,
-        offload=offload,
+    need = (
+        embedding_memory(shape, context=config.engine.context_length, offload=offload)
+        if config.task == "embed"
+        else engine_memory(
+            shape,
+            context=config.engine.context_length,
+            sequences=config.engine.max_batch_size,
+            step_tokens=config.engine.step_tokens,
+            unified=config.engine.llamacpp_modes().kv_unified,
+            offload=offload,
+        )
     )
     prewarmed = config.prewarm_dir is not None and model.is_relative_to(config.prewarm_dir)
     weights = 0 if prewarmed else offload.split(model.stat().st_size)[0]

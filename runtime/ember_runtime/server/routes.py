@@ -73,7 +73,19 @@ async def list_models(state: StateDep) -> ModelList:
     return ModelList(data=[ModelCard(id=info.model_id, created=state.started)])
 
 
-@api.post("/v1/completions", response_model=None)
+def _generating(state: StateDep) -> None:
+    """Completions and chat need a generating model; an embedding deployment says so."""
+    if state.engine.info.task != "generate":
+        raise APIError(
+            400,
+            f"{state.engine.info.model_id} is an embedding model (model.task "
+            f"{state.engine.info.task}): it serves /v1/embeddings only",
+            param="model",
+            code="model_not_supported",
+        )
+
+
+@api.post("/v1/completions", response_model=None, dependencies=[Depends(_generating)])
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     _refuse_unsupported(body)
     if body.echo and body.logprobs is not None:
@@ -110,11 +122,11 @@ def _prompts(
                 raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
             out.append((one, state.engine.tokenize(one, add_special=True)))
         else:
-            out.append((None, _checked_token_ids(one, state)))
+            out.append((None, checked_token_ids(one, state)))
     return out
 
 
-@api.post("/v1/chat/completions", response_model=None)
+@api.post("/v1/chat/completions", response_model=None, dependencies=[Depends(_generating)])
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep
 ) -> Response:
@@ -181,12 +193,12 @@ def _require(state: AppState, feature: str, param: str) -> None:
         )
 
 
-def _checked_token_ids(ids: list[int], state: AppState) -> list[int]:
+def checked_token_ids(ids: list[int], state: AppState, *, param: str = "prompt") -> list[int]:
     if not ids:
-        raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
+        raise APIError(400, f"{param} must not be empty", param=param, code=f"empty_{param}")
     vocab = state.engine.info.vocab_size
     if any(not 0 <= i < vocab for i in ids):
-        raise APIError(400, f"token ids must be within 0..{vocab - 1}", param="prompt")
+        raise APIError(400, f"token ids must be within 0..{vocab - 1}", param=param)
     return ids
 
 
