@@ -38,7 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ember_runtime.config import ThermalPolicy
+from ember_runtime.contract.thermal import ThermalPolicy
 
 from tests.thermal.conftest import FakeThermalTree
 from tests.thermal.runtime_proc import RuntimeProcess, start_runtime

@@ -7,7 +7,7 @@ from typing import Any
 from ember_operator import status
 from ember_operator.render import Problem
 from ember_operator.status_writer import PodEvents, worth_an_event
-from ember_runtime import reasons
+from ember_runtime.contract import reasons
 from ember_runtime.prewarm.errors import ChecksumMismatch
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -327,7 +327,7 @@ def test_cooling_flips_throttled_with_a_new_transition_time() -> None:
 
 
 def test_thermal_of_folds_the_replicas_own_conditions() -> None:
-    from ember_runtime.config import ThermalReading, thermal_condition
+    from ember_runtime.contract.thermal import ThermalReading, thermal_condition
 
     def pod(name: str, reading: ThermalReading | None) -> dict[str, Any]:
         conditions = [{"type": "Ready", "status": "True"}]
@@ -362,7 +362,7 @@ def test_thermal_of_folds_the_replicas_own_conditions() -> None:
 def test_a_replica_without_a_sensor_says_why_in_throttled() -> None:
     """`kubectl describe infd` must answer "why is there no temperature?" (a GPU node whose
     runtime has no NVML): the replica's own report carries the cause up to the object."""
-    from ember_runtime.config import ThermalReading, thermal_condition
+    from ember_runtime.contract.thermal import ThermalReading, thermal_condition
 
     why = "nvml: NVML cannot start (no NVIDIA driver?): NVML Shared Library Not Found"
     body = {

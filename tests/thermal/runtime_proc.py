@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from ember_runtime.config import (
+from ember_runtime.contract.config import (
     EngineSettings,
     RuntimeConfig,
     SensorSettings,
     ServerSettings,
-    ThermalPolicy,
 )
+from ember_runtime.contract.thermal import ThermalPolicy
 from ember_runtime.models import default_model_path
 
 from tests.support.net import free_port
