@@ -16,6 +16,7 @@ from ember_runtime.contract.thermal import (
     DEFAULTS,
     REPORT_PREFIX,
     THERMAL_CONDITION,
+    ThermalPolicy,
     ThermalReading,
     ThermalReportError,
     decode_report,
@@ -23,7 +24,9 @@ from ember_runtime.contract.thermal import (
     parse_thermal_condition,
     read_thermal_condition,
     thermal_condition,
+    whole_degrees,
 )
+from ember_runtime.thermal.governor import Governor
 
 CONTRACT = Path(__file__).resolve().parent.parent / "runtime" / "ember_runtime" / "contract"
 # What the contract may import from Ember: itself, and the pure sizing rule (stdlib only).
@@ -102,7 +105,7 @@ def _line(data: Any) -> str:
             _line({**GOOD, "capacity": 100_000, "maxBatchSize": 100_000}),
             "less than or equal to 256",
         ),
-        (_line({**GOOD, "temperatureCelsius": 10_000}), "temperatureCelsius"),
+        (_line({**GOOD, "temperatureCelsius": 10_000}), "less than or equal to 1000"),
         (_line({**GOOD, "temperatureCelsius": "84"}), "temperatureCelsius"),
         (_line({**GOOD, "evict": "everything"}), "evict"),
         (_line({k: v for k, v in GOOD.items() if k != "reason"}), "reason"),
@@ -130,6 +133,19 @@ def test_a_long_sensor_problem_is_cut_on_both_sides() -> None:
     assert reading.detail is not None and len(reading.detail) == 300
     data = {**GOOD, "reason": "SensorUnavailable", "detail": "y" * 5000}
     assert len(decode_report(_line(data)).detail or "") == 300
+
+
+def test_a_broken_sensors_reading_still_makes_a_report() -> None:
+    """The governor reports whatever a sensor says; a garbage value must not stop it."""
+    assert [whole_degrees(t) for t in (84.4, 6553.5, -400.0, float("nan"), None)] == [
+        84,
+        1000,
+        -273,
+        None,
+        None,
+    ]
+    gov = Governor(ThermalPolicy(), 16, lambda _: None)
+    assert gov.apply(6553.5).reading() == ThermalReading("Critical", 1000, 4, 16)
 
 
 def test_one_set_of_thermal_defaults() -> None:

@@ -94,8 +94,9 @@ def test_offline_heat_then_catch_up(kube: Any, namespace: str, tmp_path: Path) -
     pod_name = pods[0]["metadata"]["name"]
     # The stand-in runs the policy the operator rendered for this replica.
     config = rest.get(kube.api, "configmaps", namespace, "hot-config") or {}
-    policy = RuntimeConfig.model_validate(yaml.safe_load(config["data"]["config.yaml"])).thermal
-    assert (policy.max_batch_size, policy.min_batch_size, policy.throttle_celsius) == (8, 2, 78)
+    rendered = RuntimeConfig.model_validate(yaml.safe_load(config["data"]["config.yaml"]))
+    policy, limits = rendered.thermal, rendered.limits()
+    assert (limits.max_batch_size, limits.min_batch_size, policy.throttle_celsius) == (8, 2, 78)
     pod: Any = kube.core.read_namespaced_pod(pod_name, namespace)
     assert pod.spec.service_account_name == "ember-runtime"  # the operator's identity for it
     sa = token_dir(kube, pod_token(kube.core, namespace, pod), tmp_path / "sa")

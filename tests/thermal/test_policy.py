@@ -145,17 +145,16 @@ def test_bad_limits_are_rejected(kwargs: dict[str, float]) -> None:
         ThermalPolicy(**kwargs)  # type: ignore[arg-type]
 
 
-def test_a_floor_above_the_engines_ceiling_is_rejected() -> None:
-    """minBatchSize > maxBatchSize: the ceiling is the engine's (the one rendered value)."""
-    base = {"modelName": "m", "modelDir": "/m"}
-    with pytest.raises(ValidationError, match=r"minBatchSize \(8\) > engine.maxBatchSize \(4\)"):
-        RuntimeConfig.model_validate(
-            {**base, "engine": {"maxBatchSize": 4}, "thermal": {"minBatchSize": 8}}
-        )
-    ok = RuntimeConfig.model_validate(
-        {**base, "engine": {"maxBatchSize": 8}, "thermal": {"minBatchSize": 8}}
+def test_a_floor_above_the_engines_ceiling_is_capped_by_it() -> None:
+    """The ceiling is the engine's capacity (the one rendered maxBatchSize); a policy's floor
+    above it is capped, as the governor did when the policy carried a ceiling of its own."""
+    config = RuntimeConfig.model_validate(
+        {"modelName": "m", "modelDir": "/m", "engine": {"maxBatchSize": 2}}
     )
-    assert ok.limits().batch_for(200.0) == 8
+    assert config.thermal.min_batch_size == 4
+    limits = config.limits()
+    assert (limits.max_batch_size, limits.min_batch_size) == (2, 2)
+    assert limits.batch_for(200.0) == 2 and limits.next_batch(200.0, 2) == 2
     with pytest.raises(ValueError, match="capacity"):
         ThermalPolicy().limits(0)
 

@@ -15,10 +15,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from ember_runtime.contract.cache import VIEW_DATA
 from ember_runtime.contract.thermal import (
@@ -237,17 +237,9 @@ class RuntimeConfig(Wire):
     thermal: ThermalPolicy = Field(default_factory=ThermalPolicy)
     termination_log: str = "/dev/termination-log"
 
-    @model_validator(mode="after")
-    def _floor_within_capacity(self) -> Self:
-        if self.thermal.min_batch_size > self.engine.max_batch_size:
-            raise ValueError(
-                f"thermal.minBatchSize ({self.thermal.min_batch_size}) > engine.maxBatchSize "
-                f"({self.engine.max_batch_size})"
-            )
-        return self
-
     def limits(self) -> BatchLimits:
-        """The thermal policy for this engine's capacity: what the governor applies."""
+        """The thermal policy for this engine's capacity: what the governor applies (a floor
+        above the capacity is capped by it; the CRD refuses engine.minBatchSize > maxBatchSize)."""
         return self.thermal.limits(self.engine.max_batch_size)
 
     def total_bytes(self) -> int:

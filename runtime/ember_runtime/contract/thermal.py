@@ -172,6 +172,16 @@ class BatchLimits:
 
 # ----------------------------------------------------------------------------- the report
 Batch = Annotated[int, Field(ge=1, le=MAX_BATCH)]
+# A report's temperature range: wider than any device runs, narrower than a broken sensor's
+# garbage (sysfs has been seen to say 6553 °C), which is reported as the bound it passes.
+MIN_CELSIUS, MAX_CELSIUS = -273, 1000
+
+
+def whole_degrees(temp: float | None) -> int | None:
+    """A sensor's reading as a report carries it: whole degrees within the report's range."""
+    if temp is None or math.isnan(temp):
+        return None
+    return max(MIN_CELSIUS, min(MAX_CELSIUS, round(temp)))
 
 
 @dataclass(
@@ -182,7 +192,7 @@ class ThermalReading:
     """What one `ember.dev/Thermal` condition says, typed (whole degrees)."""
 
     reason: ThermalReason
-    temperature_celsius: Annotated[int, Field(ge=-100, le=300)] | None
+    temperature_celsius: Annotated[int, Field(ge=MIN_CELSIUS, le=MAX_CELSIUS)] | None
     max_batch_size: Batch | None = None  # the limit in force (None on a node's condition)
     capacity: Batch | None = None  # the engine's own maximum (ditto)
     detail: str | None = None  # why a configured sensor gives no reading, if one does not

@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from ember_runtime.contract.config import SensorSettings
-from ember_runtime.contract.thermal import DEFAULTS, ThermalPolicy, ThermalReading
+from ember_runtime.contract.thermal import DEFAULTS, ThermalPolicy, ThermalReading, whole_degrees
 from ember_runtime.nodeagent import windows
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.evict import Evictor, pods_on_node
@@ -166,7 +166,7 @@ def node_reading(policy: ThermalPolicy, temps: dict[str, float]) -> ThermalReadi
     hottest = max(temps.values()) if temps else None
     return ThermalReading(
         reason=policy.node_reason(hottest),
-        temperature_celsius=None if hottest is None else round(hottest),
+        temperature_celsius=whole_degrees(hottest),
     )
 
 

@@ -23,6 +23,7 @@ from ember_runtime.contract.thermal import (
     ThermalPolicy,
     ThermalReading,
     ThermalReason,
+    whole_degrees,
 )
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,9 @@ class GovernorState:
     sensor_problem: str | None = None  # why a configured sensor gives no reading
 
     def reading(self) -> ThermalReading:
-        temp = self.temperature_celsius
         return ThermalReading(
             reason=self.reason,
-            temperature_celsius=None if temp is None else round(temp),
+            temperature_celsius=whole_degrees(self.temperature_celsius),
             max_batch_size=self.batch,
             capacity=self.capacity,
             detail=self.sensor_problem,
