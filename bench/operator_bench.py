@@ -16,8 +16,8 @@ On the local control plane with a kwok fleet of `--nodes` fake nodes over `--sit
    the operator posted.
 3. **Steady state**: every write in the namespace over `--steady-seconds` (goal 0).
 4. **Thermal churn**: pods' `ember.dev/Thermal` conditions patched the way runtimes write them
-   (`ember_runtime.config.thermal_condition`), `--churn-rate` changes a second spread over the
-   fleet; the delay from each patch to its object's `status.hottestCelsius` showing the new
+   (`ember_runtime.contract.thermal.thermal_condition`), `--churn-rate` changes a second spread
+   over the fleet; the delay from each patch to its object's `status.hottestCelsius` showing the new
    temperature (p50/p99, goal p99 <= 2 s).
 5. The operator's peak RSS (VmHWM) and CPU seconds.
 
@@ -45,7 +45,8 @@ from typing import Any
 from ember_operator import render, sizing
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
-from ember_runtime.config import INSTANCE_LABEL, REASON_NORMAL, ThermalReading, thermal_condition
+from ember_runtime.contract.cache import INSTANCE_LABEL
+from ember_runtime.contract.thermal import REASON_NORMAL, ThermalReading, thermal_condition
 from kubernetes import config
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException

@@ -38,7 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ember_runtime.config import ThermalPolicy
+from ember_runtime.contract.thermal import ThermalPolicy
 
 from tests.thermal.conftest import FakeThermalTree
 from tests.thermal.runtime_proc import RuntimeProcess, start_runtime
@@ -46,6 +46,7 @@ from tests.thermal.runtime_proc import RuntimeProcess, start_runtime
 RESULTS = Path(__file__).resolve().parent / "results"
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
+CAPACITY = 16  # engine.maxBatchSize: the engine's sequences and the policy's ceiling
 LOW, HIGH, MIN_QUOTA = 70.0, 92.0, 0.45
 BANDS = (("cool <78", -1e9, 78.0), ("warm 78-86", 78.0, 86.0), ("hot >=86", 86.0, 1e9))
 PROMPT = (
@@ -161,7 +162,7 @@ async def one_run(adaptive: bool, args: argparse.Namespace, limits: ThermalPolic
     proc = start_runtime(
         work,
         tree.root,
-        max_batch=16,
+        max_batch=CAPACITY,
         min_batch=limits.min_batch_size,
         context=args.context,
         interval=args.interval,
@@ -223,13 +224,13 @@ def reaction_delays(
     """
     out: list[tuple[str, float, int, float | None]] = []
     thr, step, hyst = limits.throttle_celsius, limits.celsius_per_step, limits.hysteresis_celsius
-    previous = limits.max_batch_size
+    previous = CAPACITY
     for when, batch in run.changes:
         heating = batch < previous
         previous = batch
         if heating:
             edge = _edge(run, duration, True, thr + (16 - batch) * step)
-        elif batch == limits.max_batch_size:
+        elif batch == CAPACITY:
             edge = _edge(run, duration, False, thr - hyst)
         else:
             edge = _edge(run, duration, False, thr + (17 - batch) * step - hyst)
@@ -316,9 +317,7 @@ def main() -> None:
     args = p.parse_args()
     if not CGROUP_CPU.joinpath("cpu.cfs_quota_us").exists() or os.geteuid() != 0:
         sys.exit("needs root and cgroup v1 (/sys/fs/cgroup/cpu) to emulate the throttling device")
-    limits = ThermalPolicy(
-        max_batch_size=16, min_batch_size=4, throttle_celsius=78, celsius_per_step=args.step
-    )
+    limits = ThermalPolicy(min_batch_size=4, throttle_celsius=78, celsius_per_step=args.step)
     load_before = os.getloadavg()
     static = asyncio.run(one_run(False, args, limits))
     adaptive = asyncio.run(one_run(True, args, limits))

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
-from ember_runtime.config import REASON_CRITICAL
+from ember_runtime.contract.thermal import REASON_CRITICAL
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -418,8 +418,8 @@ def _critical(indexes: Mapping[str, Any], key: tuple[str, str], pod: str) -> boo
     """The replica's own thermal report says Critical: read from the pod index, where the
     condition was parsed once for this event (Kopf updates indexes before handlers run)."""
     summary = next((p for p in pods_of(indexes, key) if p.get("pod") == pod), None)
-    thermal = (summary or {}).get("thermal") or {}
-    return bool(thermal.get("reason") == REASON_CRITICAL)
+    reading = (summary or {}).get("thermal")  # a ThermalReading, decoded by the index
+    return reading is not None and reading.reason == REASON_CRITICAL
 
 
 @kopf.on.event("v1", "pods", labels=CHILD_LABELS)

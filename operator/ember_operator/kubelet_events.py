@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ember_runtime import reasons
+from ember_runtime.contract import reasons
 
 from ember_operator import status
 from ember_operator.reconcile import Context, pods_of

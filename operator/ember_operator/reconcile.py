@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ember_runtime.config import INSTANCE_LABEL
+from ember_runtime.contract.cache import INSTANCE_LABEL
 from kubernetes.client import ApiClient
 from pydantic import ValidationError
 

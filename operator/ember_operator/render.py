@@ -14,21 +14,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
-from ember_runtime import reasons
-from ember_runtime.config import (
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import (
     FETCH_HASH_ANNOTATION,
     INSTANCE_LABEL,
     VIEWS_DIR,
+    cache_label,
+)
+from ember_runtime.contract.config import (
     EngineSettings,
     ModelFile,
     RuntimeConfig,
     SensorSettings,
     ServerSettings,
-    ThermalPolicy,
-    cache_label,
-    dump_yaml,
     fetch_from_spec,
 )
+from ember_runtime.contract.thermal import ThermalPolicy
+from ember_runtime.contract.wire import dump_yaml
 
 from ember_operator import quantity
 from ember_operator.api import API_VERSION, KIND
@@ -175,11 +177,11 @@ def runtime_config(
 
 
 def thermal_policy(spec: InferenceDeploymentSpec) -> ThermalPolicy:
-    """The spec's thermal policy as the runtime applies it (the batch bounds come from engine)."""
+    """The spec's thermal policy as the runtime applies it. Its ceiling is not in it: that is
+    `engine.maxBatchSize`, rendered once into the engine section (`RuntimeConfig.limits`)."""
     t = spec.thermal
     return ThermalPolicy(
         adaptive=t.policy == PolicyKind.ADAPTIVE,
-        max_batch_size=spec.engine.max_batch_size,
         min_batch_size=spec.engine.min_batch_size,
         throttle_celsius=float(t.throttle_celsius),
         critical_celsius=float(t.critical_celsius),

@@ -11,15 +11,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ember_runtime import reasons
-from ember_runtime.config import (
-    MODEL_DOWNLOAD_CONDITION,
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import MODEL_DOWNLOAD_CONDITION
+from ember_runtime.contract.thermal import (
     REASON_POLICY_OFF,
     REASON_SENSOR_UNAVAILABLE,
     ThermalReading,
     parse_thermal_condition,
 )
 
+from ember_operator.api.models import Condition, InferenceDeploymentStatus, ReplicaStatus
 from ember_operator.render import Problem
 
 READY, PROGRESSING, DEGRADED, THROTTLED = "Ready", "Progressing", "Degraded", "Throttled"
@@ -62,7 +63,7 @@ def _from_termination(
 ) -> tuple[PodFailure | None, str]:
     """(a failure with a reason of its own, or None; the termination's detail). Own reasons:
     the kubelet's OOMKilled, or a `Reason: detail` line prewarm or the runtime wrote
-    (`ember_runtime.reasons`)."""
+    (`ember_runtime.contract.reasons`)."""
     code = term.get("exitCode")
     if term.get("reason") == reasons.OOM_KILLED:
         detail = f"{name}: killed at its memory limit {limit or '(none set)'} (exit code {code})"
@@ -165,7 +166,6 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         for c in status.get("conditions") or []
     )
     failure = pod_failure(status, _memory_limits(spec))
-    reading = parse_thermal_condition(status.get("conditions"))
     return {
         "pod": meta.get("name"),
         "node": spec.get("nodeName"),
@@ -176,8 +176,9 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         "failure": None
         if failure is None
         else {"reason": failure.reason, "message": failure.message},
-        # The runtime's own report (ember.dev/Thermal), typed; None before its first write.
-        "thermal": None if reading is None else _reading_fields(reading),
+        # The runtime's own report (ember.dev/Thermal), decoded here and nowhere else on the
+        # operator's side; None before its first write, or when it is not a report at all.
+        "thermal": parse_thermal_condition(status.get("conditions")),
     }
 
 
@@ -199,14 +200,13 @@ def with_kubelet_events(
     return out
 
 
-def _reading_fields(reading: ThermalReading) -> dict[str, Any]:
-    out: dict[str, Any] = {"reason": reading.reason}
+def _replica_fields(reading: ThermalReading) -> dict[str, Any]:
+    """The report's values a replica's status row shows (the sensor problem goes to Throttled)."""
+    out: dict[str, Any] = {}
     if reading.temperature_celsius is not None:
         out["temperatureCelsius"] = reading.temperature_celsius
     if reading.max_batch_size is not None:
         out["maxBatchSize"] = reading.max_batch_size
-    if reading.detail:
-        out["sensorProblem"] = reading.detail  # the Throttled condition's message shows it
     return out
 
 
@@ -220,28 +220,32 @@ class Thermal:
 
 
 def thermal_of(pods: Iterable[Mapping[str, Any]], adaptive: bool, max_batch: int) -> Thermal:
-    """Fold the replicas' own reports (pod summaries) into the object's thermal status."""
-    live = [p for p in pods if not p.get("deleting") and p.get("thermal")]
-    replicas = {
-        str(p["pod"]): {k: p["thermal"][k] for k in THERMAL_FIELDS if k in p["thermal"]}
-        for p in live
-    }
-    temps = [r["temperatureCelsius"] for r in replicas.values() if "temperatureCelsius" in r]
+    """Fold the replicas' own reports (pod summaries) into the object's thermal status. What
+    each governor decided (its batch, its capacity, its reason) is taken as reported, never
+    worked out again here; `max_batch` (the spec's) only words the all-clear message."""
+    live = sorted(
+        (str(p["pod"]), p["thermal"]) for p in pods if not p.get("deleting") and p.get("thermal")
+    )
+    replicas = {pod: _replica_fields(reading) for pod, reading in live}
+    temps = [r.temperature_celsius for _, r in live if r.temperature_celsius is not None]
     return Thermal(replicas, max(temps, default=None), _throttled(live, adaptive, max_batch))
 
 
-def _throttled(pods: list[Mapping[str, Any]], adaptive: bool, max_batch: int) -> dict[str, str]:
-    if not adaptive or any(p["thermal"]["reason"] == REASON_POLICY_OFF for p in pods):
+Report = tuple[str, ThermalReading]  # (pod, its decoded report)
+
+
+def _throttled(live: list[Report], adaptive: bool, max_batch: int) -> dict[str, str]:
+    if not adaptive or any(r.reason == REASON_POLICY_OFF for _, r in live):
         return {
             "type": THROTTLED,
             "status": "False",
             "reason": reasons.THERMAL_POLICY_OFF,
             "message": "thermal.policy is off",
         }
-    reduced = [p for p in pods if p["thermal"].get("maxBatchSize", max_batch) < max_batch]
+    reduced = [(pod, r) for pod, r in live if r.reduced]
     if not reduced:
-        blind = any(p["thermal"]["reason"] == REASON_SENSOR_UNAVAILABLE for p in pods)
-        message = f"all replicas run at max batch {max_batch}{_sensor_problems(pods)}"
+        blind = any(r.reason == REASON_SENSOR_UNAVAILABLE for _, r in live)
+        message = f"all replicas run at max batch {max_batch}{_sensor_problems(live)}"
         return {
             "type": THROTTLED,
             "status": "False",
@@ -250,26 +254,22 @@ def _throttled(pods: list[Mapping[str, Any]], adaptive: bool, max_batch: int) ->
             "message": message[:MAX_MESSAGE],
         }
     parts = [
-        f"{p['pod']} at {p['thermal'].get('temperatureCelsius', '?')} °C: batch "
-        f"{p['thermal']['maxBatchSize']}/{max_batch}"
-        for p in sorted(reduced, key=lambda p: str(p["pod"]))
+        f"{pod} at {'?' if r.temperature_celsius is None else r.temperature_celsius} °C: "
+        f"batch {r.max_batch_size}/{r.capacity}"
+        for pod, r in reduced
     ]
     return {
         "type": THROTTLED,
         "status": "True",
         "reason": reasons.THERMAL_THROTTLING,
-        "message": ("; ".join(parts) + _sensor_problems(pods))[:MAX_MESSAGE],
+        "message": ("; ".join(parts) + _sensor_problems(live))[:MAX_MESSAGE],
     }
 
 
-def _sensor_problems(pods: list[Mapping[str, Any]]) -> str:
+def _sensor_problems(live: list[Report]) -> str:
     """The message's tail for replicas whose sensor is broken ("; sensor problems: p-0: nvml:
     NVML cannot start ..."), so `kubectl describe infd` says why a replica has no temperature."""
-    parts = [
-        f"{p['pod']}: {p['thermal']['sensorProblem']}"
-        for p in sorted(pods, key=lambda p: str(p["pod"]))
-        if p["thermal"].get("sensorProblem")
-    ]
+    parts = [f"{pod}: {r.detail}" for pod, r in live if r.detail]
     return f"; sensor problems: {'; '.join(parts)}" if parts else ""
 
 
@@ -378,7 +378,7 @@ def _with_times(
 
 def _replica_statuses(
     pods: list[Mapping[str, Any]], old: Iterable[Mapping[str, Any]], thermal: Thermal | None
-) -> list[dict[str, Any]]:
+) -> list[ReplicaStatus]:
     """Per-pod rows; thermal fields from the pod's own condition, else (not reported yet) the
     last values status holds."""
     previous = {r.get("pod"): r for r in old}
@@ -387,21 +387,32 @@ def _replica_statuses(
     for pod in sorted(pods, key=lambda p: str(p.get("pod"))):
         if pod.get("deleting"):
             continue
-        row: dict[str, Any] = {"pod": pod["pod"]}
-        if pod.get("node"):
-            row["node"] = pod["node"]
-        if pod.get("phase"):
-            row["phase"] = pod["phase"]
-        for key in THERMAL_FIELDS:
-            value = fresh.get(pod["pod"], {}).get(key, previous.get(pod["pod"], {}).get(key))
-            if value is not None:
-                row[key] = value
-        rows.append(row)
+        name = str(pod["pod"])
+        last, now = previous.get(name, {}), fresh.get(name, {})
+        values = {k: now.get(k, last.get(k)) for k in THERMAL_FIELDS}
+        rows.append(
+            ReplicaStatus(
+                pod=name,
+                node=pod.get("node") or None,
+                phase=pod.get("phase") or None,
+                temperature_celsius=values["temperatureCelsius"],
+                max_batch_size=values["maxBatchSize"],
+            )
+        )
     return rows
 
 
-def compute_status(obs: Observed, old: Mapping[str, Any], now: str) -> dict[str, Any]:
-    """The whole status subresource for `obs`, reusing transition times from `old`."""
+def _summary_reason(conditions: list[dict[str, Any]]) -> str:
+    """STATUS in `kubectl get`: Degraded's reason, else Ready's, else Progressing's."""
+    by_type = {c["type"]: c for c in conditions}
+    for ctype, when in ((DEGRADED, "True"), (READY, "True")):
+        if by_type[ctype]["status"] == when:
+            return str(by_type[ctype]["reason"])
+    return str(by_type[PROGRESSING]["reason"])
+
+
+def build_status(obs: Observed, old: Mapping[str, Any], now: str) -> InferenceDeploymentStatus:
+    """The whole status subresource for `obs`, typed, reusing transition times from `old`."""
     replicas, ready, _ = _rollout(obs)
     old_conditions = old.get("conditions") or []
     computed = conditions_for(obs)
@@ -409,35 +420,32 @@ def compute_status(obs: Observed, old: Mapping[str, Any], now: str) -> dict[str,
     if throttled:
         computed.append({k: throttled.get(k, "") for k in ("type", "status", "reason", "message")})
     conditions = _with_times(computed, old_conditions, now, obs.generation)
-    by_type = {c["type"]: c for c in conditions}
-    reason = (
-        by_type[DEGRADED]["reason"]
-        if by_type[DEGRADED]["status"] == "True"
-        else by_type[READY]["reason"]
-        if by_type[READY]["status"] == "True"
-        else by_type[PROGRESSING]["reason"]
-    )
-    out = {
-        "observedGeneration": obs.generation,
-        "replicas": replicas,
-        "readyReplicas": ready,
-        "ready": f"{ready}/{obs.desired}",
-        "reason": reason,
-        "selector": obs.selector,
-        "conditions": conditions,
-        "replicaStatuses": _replica_statuses(
-            obs.pods, old.get("replicaStatuses") or [], obs.thermal
-        ),
-    }
+    rows = _replica_statuses(obs.pods, old.get("replicaStatuses") or [], obs.thermal)
     hottest = obs.thermal.hottest_celsius if obs.thermal else None
-    if hottest is None:
-        hottest = old.get("hottestCelsius")
-    if hottest is not None:
-        out["hottestCelsius"] = hottest
-    batches = [r["maxBatchSize"] for r in out["replicaStatuses"] if "maxBatchSize" in r]
-    if batches:  # the tightest limit in force: what `kubectl get infd` shows as Batch
-        out["maxBatchSize"] = min(batches)
-    return out
+    batches = [r.max_batch_size for r in rows if r.max_batch_size is not None]
+    return InferenceDeploymentStatus(
+        observed_generation=obs.generation,
+        replicas=replicas,
+        ready_replicas=ready,
+        ready=f"{ready}/{obs.desired}",
+        reason=_summary_reason(conditions),
+        selector=obs.selector,
+        conditions=[Condition.model_validate(c) for c in conditions],
+        replica_statuses=rows,
+        hottest_celsius=old.get("hottestCelsius") if hottest is None else hottest,
+        # The tightest limit in force: what `kubectl get infd` shows as Batch.
+        max_batch_size=min(batches, default=None),
+    )
+
+
+def to_wire(built: InferenceDeploymentStatus) -> dict[str, Any]:
+    """The status as the API server takes it (camelCase; unset fields left out)."""
+    return built.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def compute_status(obs: Observed, old: Mapping[str, Any], now: str) -> dict[str, Any]:
+    """`build_status` as the dict the status writer diffs and patches."""
+    return to_wire(build_status(obs, old, now))
 
 
 def _find(conditions: Iterable[Mapping[str, Any]], ctype: str) -> Mapping[str, Any] | None:

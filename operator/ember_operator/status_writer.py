@@ -115,7 +115,7 @@ class StatusWriter:
             old = (
                 cached[1] if cached and cached[0] == meta["uid"] else dict(body.get("status") or {})
             )
-            new = status.compute_status(
+            built = status.build_status(
                 status.Observed(
                     generation=int(meta.get("generation", 0)),
                     desired=obs.desired,
@@ -128,12 +128,13 @@ class StatusWriter:
                 old,
                 _now(),
             )
+            new = status.to_wire(built)  # what the API server holds: the diff's terms
             changed = status.changed_fields(new, old)
             if changed:
                 self._patch(key, changed)
             self._written[key] = (meta["uid"], new)
+        metrics.record_conditions(key, {c.type: c.status.value for c in built.conditions})
         conds = {c["type"]: c for c in new["conditions"]}
-        metrics.record_conditions(key, {t: c["status"] for t, c in conds.items()})
         if announce:
             _announce_degraded(self._api, body, conds[status.DEGRADED], old.get("conditions") or [])
         return bool(changed)

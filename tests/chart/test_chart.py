@@ -450,3 +450,25 @@ def test_site_sharing_renders_peer_port_and_limits(helm: str) -> None:
         "ember-nodeagent-own-node",
         "ember-nodeagent-own-metadata",
     }
+
+
+def test_node_agent_thermal_defaults_are_the_contracts(helm: str) -> None:
+    """Ember has one set of thermal defaults (ember_runtime.contract.thermal.DEFAULTS); the CRD
+    and the node agent read it, and the chart's values (which cannot import it) must agree, down
+    to the env the agent's container gets."""
+    from ember_runtime.contract.thermal import DEFAULTS
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["nodeAgent"]
+    want = {
+        "throttleCelsius": DEFAULTS.throttle_celsius,
+        "criticalCelsius": DEFAULTS.critical_celsius,
+        "hysteresisCelsius": DEFAULTS.hysteresis_celsius,
+    }
+    assert {k: float(values[k]) for k in want} == want
+    agent = next(d for d in by_kind(render(helm), "DaemonSet") if "agent" in d["metadata"]["name"])
+    env = {
+        e["name"]: e.get("value") for e in agent["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    for key, value in want.items():
+        name = "EMBER_NODEAGENT_" + "".join(f"_{c}" if c.isupper() else c.upper() for c in key)
+        assert float(env[name]) == value, name

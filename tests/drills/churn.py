@@ -15,7 +15,7 @@ from ember_operator import render, sizing
 from ember_operator.api.models import parse_spec
 from ember_operator.apply import digest_of, stamp
 from ember_operator.settings import load_settings
-from ember_runtime.config import INSTANCE_LABEL
+from ember_runtime.contract.cache import INSTANCE_LABEL
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_runtime.config import INSTANCE_LABEL
+from ember_runtime.contract.cache import INSTANCE_LABEL
 from hypothesis import HealthCheck, given, settings
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException

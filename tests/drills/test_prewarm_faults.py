@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_runtime import reasons
-from ember_runtime.config import ModelFile, RuntimeConfig
+from ember_runtime.contract import reasons
+from ember_runtime.contract.config import ModelFile, RuntimeConfig
 from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256, MODEL_SIZE_BYTES, default_model_path
 from ember_runtime.prewarm.checks import DEFAULT_MARGIN_BYTES
 from ember_runtime.prewarm.copy import PARTIAL_MARKER

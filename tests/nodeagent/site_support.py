@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ember_runtime.config import FETCH_HASH_ANNOTATION, INSTANCE_LABEL, fetch_from_spec
+from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
+from ember_runtime.contract.config import fetch_from_spec
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.site import ORIGIN_SLOT, SHORT, lease_name
 from kubernetes import client

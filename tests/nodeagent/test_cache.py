@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from ember_runtime import reasons
-from ember_runtime.config import cache_label
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import cache_label
 from ember_runtime.nodeagent import labels as labels_module
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, _locked_partial
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from ember_runtime.config import MODEL_DOWNLOAD_CONDITION
+from ember_runtime.contract.cache import MODEL_DOWNLOAD_CONDITION
 
 from tests.conftest import Kube
 from tests.nodeagent.origin import serve

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_runtime.config import ModelFetch
+from ember_runtime.contract.config import ModelFetch
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.evict import Evictor, pods_on_node
 from ember_runtime.nodeagent.fetcher import KubeReader, Unresolved

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ember_runtime import reasons
-from ember_runtime.config import FETCH_HASH_ANNOTATION, INSTANCE_LABEL, ModelFetch
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
+from ember_runtime.contract.config import ModelFetch
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.fetcher import Claim, Fetcher, KubeReader
 from ember_runtime.thermal.kube import Endpoint

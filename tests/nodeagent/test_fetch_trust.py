@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_runtime import reasons
-from ember_runtime.config import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import ContentCache, Want
 from ember_runtime.nodeagent.fetcher import KubeReader

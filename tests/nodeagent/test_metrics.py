@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import httpx
-from ember_runtime.config import FetchFile
+from ember_runtime.contract.config import FetchFile
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import ContentCache, Want
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader, Wanted

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ember_runtime import reasons
+from ember_runtime.contract import reasons
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import ContentCache, FetchError, Want
 from ember_runtime.nodeagent.peerserver import Limits, PeerServer

@@ -18,14 +18,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from ember_runtime import reasons
-from ember_runtime.config import (
-    FETCH_HASH_ANNOTATION,
-    INSTANCE_LABEL,
-    ModelFetch,
-    ModelFile,
-    RuntimeConfig,
-)
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
+from ember_runtime.contract.config import ModelFetch, ModelFile, RuntimeConfig
 from ember_runtime.nodeagent.cache import ContentCache, FetchError
 from ember_runtime.nodeagent.fetcher import Claim, Fetcher, KubeReader
 from ember_runtime.nodeagent.views import DigestViews

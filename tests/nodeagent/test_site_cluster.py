@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from ember_runtime.config import cache_label
+from ember_runtime.contract.cache import cache_label
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.site import CACHE_ANNOTATION, PEER_ANNOTATION, lease_name, short
 

@@ -12,8 +12,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from ember_runtime import reasons
-from ember_runtime.config import ModelFile, RuntimeConfig
+from ember_runtime.contract import reasons
+from ember_runtime.contract.config import ModelFile, RuntimeConfig
 from ember_runtime.nodeagent import fetcher as fetcher_mod
 from ember_runtime.nodeagent.cache import ContentCache, Want
 from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader

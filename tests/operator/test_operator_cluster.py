@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 from ember_operator.render import SITE_LABEL
-from ember_runtime import reasons
-from ember_runtime.config import cache_label
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import cache_label
 from ember_runtime.prewarm import cachewait
 from ember_runtime.prewarm.errors import ChecksumMismatch
 

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml
 from ember_operator.thermal.actions import HOT_TAINT_KEY
-from ember_runtime.config import ThermalReading, thermal_condition
+from ember_runtime.contract.thermal import ThermalReading, thermal_condition
 from kubernetes import client
 
 from tests.cluster.build import ensure_binaries

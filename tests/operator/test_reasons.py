@@ -1,12 +1,12 @@
-"""The one reason vocabulary (ember_runtime.reasons) against what uses it: the operator's code
-and the README's troubleshooting table."""
+"""The one reason vocabulary (ember_runtime.contract.reasons) against what uses it: the
+operator's code and the README's troubleshooting table."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from ember_runtime import reasons
+from ember_runtime.contract import reasons
 
 REPO = Path(__file__).resolve().parents[2]
 # Calls whose argument at this position is a reason the user sees.
@@ -36,13 +36,15 @@ def test_every_reason_the_operator_writes_is_in_the_vocabulary() -> None:
         for line, value in _literal_reasons(path)
         if value not in reasons.REASONS
     ]
-    assert unknown == [], "add these to ember_runtime/reasons.py (and regenerate the README)"
+    assert unknown == [], (
+        "add these to ember_runtime/contract/reasons.py (and regenerate the README)"
+    )
 
 
 def test_readme_lists_every_reason_with_what_to_do() -> None:
     readme = (REPO / "README.md").read_text()
     assert reasons.with_table(readme) == readme, (
-        "README's reason table is stale: run `python -m ember_runtime.reasons README.md`"
+        "README's reason table is stale: run `python -m ember_runtime.contract.reasons README.md`"
     )
     for reason in reasons.REASONS.values():
         assert f"| `{reason.name}` |" in readme

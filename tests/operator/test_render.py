@@ -8,7 +8,8 @@ import yaml
 from ember_operator import render, sizing
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
-from ember_runtime.config import RuntimeConfig, dump_yaml
+from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.contract.wire import dump_yaml
 
 from tests.operator.specs import manifest
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from ember_runtime import reasons
+from ember_runtime.contract import reasons
 from ember_runtime.models import MODEL_FILENAME
 
 from tests.cluster.paths import bin_dir

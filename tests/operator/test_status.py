@@ -7,7 +7,7 @@ from typing import Any
 from ember_operator import status
 from ember_operator.render import Problem
 from ember_operator.status_writer import PodEvents, worth_an_event
-from ember_runtime import reasons
+from ember_runtime.contract import reasons
 from ember_runtime.prewarm.errors import ChecksumMismatch
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -327,7 +327,7 @@ def test_cooling_flips_throttled_with_a_new_transition_time() -> None:
 
 
 def test_thermal_of_folds_the_replicas_own_conditions() -> None:
-    from ember_runtime.config import ThermalReading, thermal_condition
+    from ember_runtime.contract.thermal import ThermalReading, thermal_condition
 
     def pod(name: str, reading: ThermalReading | None) -> dict[str, Any]:
         conditions = [{"type": "Ready", "status": "True"}]
@@ -362,7 +362,7 @@ def test_thermal_of_folds_the_replicas_own_conditions() -> None:
 def test_a_replica_without_a_sensor_says_why_in_throttled() -> None:
     """`kubectl describe infd` must answer "why is there no temperature?" (a GPU node whose
     runtime has no NVML): the replica's own report carries the cause up to the object."""
-    from ember_runtime.config import ThermalReading, thermal_condition
+    from ember_runtime.contract.thermal import ThermalReading, thermal_condition
 
     why = "nvml: NVML cannot start (no NVIDIA driver?): NVML Shared Library Not Found"
     body = {
@@ -387,6 +387,50 @@ def test_a_replica_without_a_sensor_says_why_in_throttled() -> None:
     st = status.compute_status(_obs(pods=pods, thermal=thermal), {}, NOW)
     throttled = next(c for c in st["conditions"] if c["type"] == "Throttled")
     assert throttled["reason"] == "SensorUnavailable" and why in throttled["message"]
+
+
+def _reporting_pod(name: str, condition: dict[str, Any]) -> dict[str, Any]:
+    body = {
+        "metadata": {"name": name},
+        "spec": {"nodeName": "n1"},
+        "status": {"phase": "Running", "conditions": [condition]},
+    }
+    return status.pod_summary(body)
+
+
+def test_the_pod_index_keeps_the_decoded_report_and_drops_a_forged_one() -> None:
+    """Decoded once, in the pod summary the index keeps; a report that is not one (a sentence
+    alone, or data that contradicts its condition) counts as no report."""
+    from ember_runtime.contract.thermal import ThermalReading, thermal_condition
+
+    reading = ThermalReading("Throttled", 84, 13, 16)
+    good = thermal_condition(reading, NOW)
+    assert _reporting_pod("a", good)["thermal"] == reading
+    forged = [
+        {**good, "message": "99 °C, batch 1/16"},
+        {**good, "reason": "Critical"},
+        {**good, "message": good["message"].replace('"maxBatchSize":13', '"maxBatchSize":99')},
+    ]
+    pods = [_reporting_pod(f"f{i}", cond) for i, cond in enumerate(forged)]
+    assert [p["thermal"] for p in pods] == [None, None, None]
+    thermal = status.thermal_of(pods, adaptive=True, max_batch=16)
+    assert (thermal.replicas, thermal.hottest_celsius) == ({}, None)
+
+
+def test_throttled_is_what_each_governor_decided_not_the_spec() -> None:
+    """A replica runs 13 of its engine's 16 while the spec already says 32 (a rollout under
+    way): the report's own batch and capacity tell, not the spec's maximum."""
+    from ember_runtime.contract.thermal import ThermalReading, thermal_condition
+
+    old = _reporting_pod("old", thermal_condition(ThermalReading("Throttled", 84, 13, 16), NOW))
+    full = _reporting_pod("new", thermal_condition(ThermalReading("Normal", 60, 32, 32), NOW))
+    thermal = status.thermal_of([old, full], adaptive=True, max_batch=32)
+    assert thermal.throttled["status"] == "True"
+    assert thermal.throttled["message"] == "old at 84 °C: batch 13/16"
+    cool = _reporting_pod("old", thermal_condition(ThermalReading("Normal", 60, 16, 16), NOW))
+    assert status.thermal_of([cool, full], adaptive=True, max_batch=32).throttled["status"] == (
+        "False"
+    )
 
 
 def _waiting_pod(pod: str, node: str, message: str, state: str = "running") -> dict[str, Any]:

@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from ember_runtime.config import THERMAL_CONDITION, RuntimeConfig
+from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.contract.thermal import THERMAL_CONDITION, decode_report
 
 from tests.e2e.flow import table_columns
 from tests.operator import rest
@@ -59,6 +60,11 @@ def _columns(kube: Any, namespace: str, name: str) -> dict[str, str]:
     return table_columns(kube.kubectl("-n", namespace, "get", "infd", name))
 
 
+def _said(condition: dict[str, Any]) -> str:
+    """The human line of a runtime's report (its data line decoded: it must be one)."""
+    return decode_report(str(condition["message"])).message()
+
+
 def _pod_condition(kube: Any, namespace: str, pod: str) -> dict[str, Any] | None:
     body = rest.get(kube.api, "pods", namespace, pod) or {}
     conds = (body.get("status") or {}).get("conditions") or []
@@ -88,8 +94,9 @@ def test_offline_heat_then_catch_up(kube: Any, namespace: str, tmp_path: Path) -
     pod_name = pods[0]["metadata"]["name"]
     # The stand-in runs the policy the operator rendered for this replica.
     config = rest.get(kube.api, "configmaps", namespace, "hot-config") or {}
-    policy = RuntimeConfig.model_validate(yaml.safe_load(config["data"]["config.yaml"])).thermal
-    assert (policy.max_batch_size, policy.min_batch_size, policy.throttle_celsius) == (8, 2, 78)
+    rendered = RuntimeConfig.model_validate(yaml.safe_load(config["data"]["config.yaml"]))
+    policy, limits = rendered.thermal, rendered.limits()
+    assert (limits.max_batch_size, limits.min_batch_size, policy.throttle_celsius) == (8, 2, 78)
     pod: Any = kube.core.read_namespaced_pod(pod_name, namespace)
     assert pod.spec.service_account_name == "ember-runtime"  # the operator's identity for it
     sa = token_dir(kube, pod_token(kube.core, namespace, pod), tmp_path / "sa")
@@ -110,7 +117,7 @@ def test_offline_heat_then_catch_up(kube: Any, namespace: str, tmp_path: Path) -
     try:
         # Written once at start, then the operator folds it into status.
         first = wait_for("the first condition", lambda: _pod_condition(kube, namespace, pod_name))
-        assert first["reason"] == "Normal" and first["message"] == "60 °C, batch 8/8"
+        assert first["reason"] == "Normal" and _said(first) == "60 °C, batch 8/8"
         wait_for("TEMP 60", lambda: _columns(kube, namespace, "hot").get("TEMP") == "60")
         resource_version = kube.core.read_namespaced_pod(pod_name, namespace).metadata
         steady = resource_version.resource_version
@@ -126,7 +133,7 @@ def test_offline_heat_then_catch_up(kube: Any, namespace: str, tmp_path: Path) -
         assert reaction <= 1.0, f"batch limit took {reaction:.2f}s"
         time.sleep(2)  # the runtime retries meanwhile; the API still has the old state
         stale = _pod_condition(kube, namespace, pod_name)
-        assert stale is not None and stale["message"] == "60 °C, batch 8/8"
+        assert stale is not None and _said(stale) == "60 °C, batch 8/8"
 
         proxy.restore()
         back = time.monotonic()
@@ -134,7 +141,7 @@ def test_offline_heat_then_catch_up(kube: Any, namespace: str, tmp_path: Path) -
             "the pod condition to catch up",
             lambda: (
                 (c := _pod_condition(kube, namespace, pod_name))
-                and c["message"] == "86 °C, batch 4/8"
+                and _said(c) == "86 °C, batch 4/8"
                 and c
             ),
             timeout=10,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ember_runtime.config import ModelFile, RuntimeConfig
+from ember_runtime.contract.config import ModelFile, RuntimeConfig
 from ember_runtime.models import default_model_path, sha256_file
 
 CLI = [sys.executable, "-m", "ember_runtime.prewarm"]

@@ -7,7 +7,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from ember_runtime.config import RuntimeConfig
+from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.prewarm.checks import (
     CheckResult,
     Host,

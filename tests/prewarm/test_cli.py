@@ -10,8 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from ember_runtime import reasons
-from ember_runtime.config import ModelFile
+from ember_runtime.contract import reasons
+from ember_runtime.contract.config import ModelFile
 from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256, MODEL_SIZE_BYTES
 from ember_runtime.prewarm.copy import PARTIAL_MARKER
 from ember_runtime.prewarm.manifest import MANIFEST_NAME, read_manifest, resolve_model_path

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from ember_runtime.config import ModelFile
+from ember_runtime.contract.config import ModelFile
 from ember_runtime.prewarm.checks import Preflight
 from ember_runtime.prewarm.copy import CopyOptions, copy_all, copy_verified, remove_partials
 from ember_runtime.prewarm.errors import ChecksumMismatch, Interrupted, PrewarmError, SizeMismatch

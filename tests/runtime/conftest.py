@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from ember_runtime.config import RuntimeConfig
+from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.models import default_model_path
 from ember_runtime.server.app import create_app
 from ember_runtime.server.state import AppState

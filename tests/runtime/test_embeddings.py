@@ -23,8 +23,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from ember_runtime import reasons
-from ember_runtime.config import RuntimeConfig
+from ember_runtime.contract import reasons
+from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.engines.base import EngineUnavailableError
 from ember_runtime.engines.embedding import Job, LlamaCppEmbedder, check_pooling, plan_step
 from ember_runtime.memory import MemoryLimitError

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from ember_runtime import memory, reasons
-from ember_runtime.config import RuntimeConfig
+from ember_runtime import memory
+from ember_runtime.contract import reasons
+from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.server.preflight import preflight
 
 MIB = 2**20

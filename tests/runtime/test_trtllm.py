@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from ember_runtime.config import RuntimeConfig
+from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.engines.base import (
     ChatMessage,
     Delta,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ember_runtime.config import EngineSettings
+from ember_runtime.contract.config import EngineSettings
 from ember_runtime.engines import sampling
 from ember_runtime.engines.text import TextAssembler
 from ember_runtime.sensors import TemperatureSource, ThermalZoneReader

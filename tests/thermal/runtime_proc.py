@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from ember_runtime.config import (
+from ember_runtime.contract.config import (
     EngineSettings,
     RuntimeConfig,
     SensorSettings,
     ServerSettings,
-    ThermalPolicy,
 )
+from ember_runtime.contract.thermal import ThermalPolicy
 from ember_runtime.models import default_model_path
 
 from tests.support.net import free_port
@@ -96,7 +96,7 @@ def start_runtime(
             nvml=nvml,
             report_condition=env is not None and "POD_NAME" in env,
         ),
-        thermal=thermal or ThermalPolicy(max_batch_size=max_batch, min_batch_size=min_batch),
+        thermal=thermal or ThermalPolicy(min_batch_size=min_batch),
         termination_log=str(workdir / "termination-log"),
     )
     cfg = workdir / "config.yaml"

@@ -20,7 +20,7 @@ from ember_operator.thermal.nodes import (
     HotNodes,
     Replica,
 )
-from ember_runtime.config import ThermalReading, thermal_condition
+from ember_runtime.contract.thermal import ThermalReading, thermal_condition
 from kubernetes import client
 
 from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest, wait_schedulable

@@ -17,7 +17,12 @@ import httpx
 import pytest
 from ember_operator import render
 from ember_operator.settings import OperatorSettings
-from ember_runtime.config import THERMAL_CONDITION, ThermalReading, thermal_condition
+from ember_runtime.contract.thermal import (
+    THERMAL_CONDITION,
+    ThermalReading,
+    decode_report,
+    thermal_condition,
+)
 from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, pod_status_path
 
 from tests.conftest import Kube
@@ -124,17 +129,18 @@ def test_own_condition_passes_and_keeps_the_others(kube: Kube, namespace: str, p
     _wait_scheduled_condition(kube, namespace, "own")
     endpoint = Endpoint(str(kube.api.configuration.host), sa / "token", sa / "ca.crt")
 
+    reading = ThermalReading("Throttled", 84, 13, 16)
+
     async def write() -> None:
         patcher = ConditionPatcher(endpoint, pod_status_path(namespace, "own"))
         try:
-            reading = ThermalReading("Throttled", 84, 13, 16)
             await patcher.write(thermal_condition(reading, "2026-01-01T00:00:00Z"))
         finally:
             await patcher.aclose()
 
     asyncio.run(write())
     conds = _conditions(kube, namespace, "own")
-    assert conds[THERMAL_CONDITION].message == "84 °C, batch 13/16"
+    assert decode_report(conds[THERMAL_CONDITION].message) == reading
     assert conds[THERMAL_CONDITION].reason == "Throttled"
     assert conds["PodScheduled"].status == "False"  # the scheduler's, kept by the merge
 

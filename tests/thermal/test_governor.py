@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_runtime.config import ThermalPolicy, ThermalReading
+from ember_runtime.contract.thermal import ThermalPolicy, ThermalReading, decode_report
 from ember_runtime.thermal.governor import Governor
 from ember_runtime.thermal.reporter import ConditionReporter, worth_reporting
 
-POLICY = ThermalPolicy(max_batch_size=16, min_batch_size=4, throttle_celsius=78)
+POLICY = ThermalPolicy(min_batch_size=4, throttle_celsius=78)  # on engines of 16, below
 
 
 class Clock:
@@ -148,7 +148,10 @@ async def test_reporter_coalesces_newest_wins_and_is_quiet_when_nothing_changes(
         await asyncio.sleep(0.5)
     finally:
         task.cancel()
-    assert [c["message"] for c in rec.conditions] == ["60 °C, batch 16/16", "84 °C, batch 13/16"]
+    assert [decode_report(c["message"]).message() for c in rec.conditions] == [
+        "60 °C, batch 16/16",
+        "84 °C, batch 13/16",
+    ]
     assert rec.conditions[1]["status"] == "True" and rec.conditions[1]["reason"] == "Throttled"
     assert rep.writes == 2
 
@@ -171,7 +174,7 @@ async def test_reporter_retries_with_capped_backoff_and_flushes_the_newest() -> 
         await asyncio.sleep(0.35)  # within one capped backoff of the return
     finally:
         task.cancel()
-    assert [c["message"] for c in rec.conditions] == ["92 °C, batch 6/16"]
+    assert [decode_report(c["message"]).message() for c in rec.conditions] == ["92 °C, batch 6/16"]
     assert rep.pending is None
 
 
@@ -205,7 +208,7 @@ def test_node_agent_classifies_the_hottest_sensor() -> None:
 def test_no_api_access_means_no_reporter_not_a_crash(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    from ember_runtime.config import RuntimeConfig, SensorSettings
+    from ember_runtime.contract.config import RuntimeConfig, SensorSettings
     from ember_runtime.server.app import pod_reporter
 
     config = RuntimeConfig(

@@ -17,7 +17,12 @@ from typing import Any
 
 import httpx
 import pytest
-from ember_runtime.config import THERMAL_CONDITION, ThermalReading, thermal_condition
+from ember_runtime.contract.thermal import (
+    THERMAL_CONDITION,
+    ThermalReading,
+    decode_report,
+    thermal_condition,
+)
 from ember_runtime.thermal.kube import ApiError, ConditionPatcher, Endpoint, node_status_path
 from kubernetes import client
 
@@ -150,7 +155,7 @@ def test_agent_writes_its_own_node_only(kube: Kube, agent: tuple[str, str, Path]
     asyncio.run(write(own))
     after = _node_conditions(kube, own)
     assert after[THERMAL_CONDITION].reason == "Critical"
-    assert after[THERMAL_CONDITION].message == "93 °C"
+    assert decode_report(after[THERMAL_CONDITION].message) == ThermalReading("Critical", 93)
     assert before <= set(after)  # kwok's conditions kept by the merge
     with _http(kube, sa) as http:
         label = http.patch(

@@ -1,4 +1,4 @@
-"""The thermal policy (the shared contract in ember_runtime.config) as tables: formula,
+"""The thermal policy (the shared contract in ember_runtime.contract.thermal) as tables: formula,
 hysteresis, reasons, and the condition's message round trip."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import itertools
 import pytest
 from ember_operator.api.models import parse_spec
 from ember_operator.render import thermal_policy
-from ember_runtime.config import (
+from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.contract.thermal import (
     THERMAL_CONDITION,
+    BatchLimits,
     ThermalPolicy,
     ThermalReading,
     parse_thermal_condition,
@@ -17,14 +19,15 @@ from ember_runtime.config import (
 )
 from pydantic import ValidationError
 
-ISSUE = ThermalPolicy(max_batch_size=16, min_batch_size=4, throttle_celsius=78, celsius_per_step=2)
+# The issue's example: an engine of 16 sequences (engine.maxBatchSize, the policy's ceiling).
+ISSUE = ThermalPolicy(min_batch_size=4, throttle_celsius=78, celsius_per_step=2).limits(16)
 
 
-def batch_for(temp: float, policy: ThermalPolicy) -> int:
+def batch_for(temp: float, policy: BatchLimits) -> int:
     return policy.batch_for(temp)
 
 
-def max_batch(temp: float | None, policy: ThermalPolicy, current: int | None) -> int:
+def max_batch(temp: float | None, policy: BatchLimits, current: int | None) -> int:
     return policy.next_batch(temp, current)
 
 
@@ -97,7 +100,7 @@ def test_unknown_inputs(temp: float | None, current: int | None, expected: int) 
 
 
 def test_policy_off_is_always_full() -> None:
-    off = ThermalPolicy(adaptive=False)
+    off = ThermalPolicy(adaptive=False).limits(16)
     assert max_batch(120.0, off, 4) == 16
 
 
@@ -119,8 +122,8 @@ def test_limits_from_a_real_spec() -> None:
             },
         }
     )
-    limits = thermal_policy(spec)
-    assert (limits.max_batch_size, limits.min_batch_size, limits.critical_for_seconds) == (
+    limits = thermal_policy(spec).limits(spec.engine.max_batch_size)
+    assert (limits.max_batch_size, limits.min_batch_size, limits.policy.critical_for_seconds) == (
         32,
         8,
         30.0,
@@ -131,7 +134,6 @@ def test_limits_from_a_real_spec() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"min_batch_size": 8, "max_batch_size": 4},
         {"min_batch_size": 0},
         {"celsius_per_step": 0},
         {"critical_celsius": 70, "throttle_celsius": 78},
@@ -141,6 +143,20 @@ def test_limits_from_a_real_spec() -> None:
 def test_bad_limits_are_rejected(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValidationError):
         ThermalPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_floor_above_the_engines_ceiling_is_capped_by_it() -> None:
+    """The ceiling is the engine's capacity (the one rendered maxBatchSize); a policy's floor
+    above it is capped, as the governor did when the policy carried a ceiling of its own."""
+    config = RuntimeConfig.model_validate(
+        {"modelName": "m", "modelDir": "/m", "engine": {"maxBatchSize": 2}}
+    )
+    assert config.thermal.min_batch_size == 4
+    limits = config.limits()
+    assert (limits.max_batch_size, limits.min_batch_size) == (2, 2)
+    assert limits.batch_for(200.0) == 2 and limits.next_batch(200.0, 2) == 2
+    with pytest.raises(ValueError, match="capacity"):
+        ThermalPolicy().limits(0)
 
 
 @pytest.mark.parametrize(
@@ -165,9 +181,12 @@ def test_reasons_and_condition_round_trip(
 def test_messages_are_the_documented_ones() -> None:
     assert ThermalReading("Throttled", 84, 13, 16).message() == "84 °C, batch 13/16"
     assert ThermalReading("Critical", 93).message() == "93 °C"  # a node's: no batch
-    node = {"type": THERMAL_CONDITION, "reason": "Critical", "message": "93 °C"}
+    node = thermal_condition(ThermalReading("Critical", 93), "2026-01-01T00:00:00Z")
+    assert node["message"].splitlines()[0] == "93 °C"  # what `kubectl describe` shows first
     assert parse_thermal_condition([node]) == ThermalReading("Critical", 93)
     assert parse_thermal_condition([{**node, "message": "garbage"}]) is None
+    # The sentence alone is no report any more: the data line is what is read.
+    assert parse_thermal_condition([{**node, "message": "93 °C"}]) is None
     assert parse_thermal_condition([]) is None
 
 
@@ -186,4 +205,4 @@ def test_a_sensor_problem_rides_in_the_message_and_round_trips() -> None:
 
 
 def test_policy_off_reason() -> None:
-    assert ThermalPolicy(adaptive=False).reason(120.0, 16) == "PolicyOff"
+    assert ThermalPolicy(adaptive=False).limits(16).reason(120.0, 16) == "PolicyOff"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_runtime.config import SensorSettings
+from ember_runtime.contract.config import SensorSettings
 from ember_runtime.sensors import (
     CompositeSource,
     Ewma,

@@ -13,6 +13,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
+from ember_runtime.contract.thermal import DEFAULT_MAX_BATCH_SIZE, DEFAULTS, MAX_BATCH
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
@@ -325,11 +326,18 @@ class EngineSpec(Wire):
     context_length: int = Field(
         default=2048, ge=64, le=1_048_576, description="Context window in tokens."
     )
+    # The defaults are Ember's one set (ember_runtime.contract.thermal), as the runtime's.
     max_batch_size: int = Field(
-        default=16, ge=1, le=256, description="Largest batch the thermal controller may allow."
+        default=DEFAULT_MAX_BATCH_SIZE,
+        ge=1,
+        le=MAX_BATCH,
+        description="Largest batch the thermal controller may allow.",
     )
     min_batch_size: int = Field(
-        default=4, ge=1, le=256, description="Smallest batch the thermal controller may shrink to."
+        default=DEFAULTS.min_batch_size,
+        ge=1,
+        le=MAX_BATCH,
+        description="Smallest batch the thermal controller may shrink to.",
     )
     threads: int | None = Field(
         default=None,
@@ -447,17 +455,30 @@ class ThermalSpec(Wire):
     )
 
     policy: ThermalPolicy = Field(default=ThermalPolicy.ADAPTIVE, description="Thermal policy.")
+    # Whole degrees and seconds here; the defaults are the runtime's (contract.thermal).
     throttle_celsius: int = Field(
-        default=78, ge=30, le=130, description="Above this the batch size shrinks."
+        default=int(DEFAULTS.throttle_celsius),
+        ge=30,
+        le=130,
+        description="Above this the batch size shrinks.",
     )
     critical_celsius: int = Field(
-        default=90, ge=30, le=130, description="Above this the replica stops taking work."
+        default=int(DEFAULTS.critical_celsius),
+        ge=30,
+        le=130,
+        description="Above this the replica stops taking work.",
     )
     celsius_per_step: int = Field(
-        default=2, ge=1, le=20, description="Degrees per batch-size step."
+        default=int(DEFAULTS.celsius_per_step),
+        ge=1,
+        le=20,
+        description="Degrees per batch-size step.",
     )
     critical_for_seconds: int = Field(
-        default=60, ge=1, le=3600, description="How long critical must last before acting."
+        default=int(DEFAULTS.critical_for_seconds),
+        ge=1,
+        le=3600,
+        description="How long critical must last before acting.",
     )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from ember_runtime.config import parse_thermal_condition
+from ember_runtime.contract.thermal import parse_thermal_condition
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 

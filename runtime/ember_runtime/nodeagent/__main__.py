@@ -19,7 +19,8 @@ import httpx
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
-from ember_runtime.config import SensorSettings, ThermalPolicy, ThermalReading
+from ember_runtime.contract.config import SensorSettings
+from ember_runtime.contract.thermal import DEFAULTS, ThermalPolicy, ThermalReading, whole_degrees
 from ember_runtime.nodeagent import windows
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.evict import Evictor, pods_on_node
@@ -48,10 +49,13 @@ class AgentSettings(BaseSettings):
     node_name: str = Field(description="This node (the downward API's spec.nodeName).")
     sysfs_root: str = "/sys"
     interval_seconds: float = Field(default=1.0, gt=0)
-    throttle_celsius: float = 78.0
-    critical_celsius: float = 90.0
-    hysteresis_celsius: float = Field(default=3.0, ge=0)
-    band_celsius: float = Field(default=2.0, gt=0, description="Report a move this large.")
+    # Ember's one set of thermal defaults (contract.thermal); the chart's values agree (a test).
+    throttle_celsius: float = DEFAULTS.throttle_celsius
+    critical_celsius: float = DEFAULTS.critical_celsius
+    hysteresis_celsius: float = Field(default=DEFAULTS.hysteresis_celsius, ge=0)
+    band_celsius: float = Field(
+        default=DEFAULTS.celsius_per_step, gt=0, description="Report a move this large."
+    )
     server: str | None = Field(default=None, description="API server URL (default: in-cluster).")
     token_file: Path | None = None
     ca_file: Path | None = None
@@ -162,7 +166,7 @@ def node_reading(policy: ThermalPolicy, temps: dict[str, float]) -> ThermalReadi
     hottest = max(temps.values()) if temps else None
     return ThermalReading(
         reason=policy.node_reason(hottest),
-        temperature_celsius=None if hottest is None else round(hottest),
+        temperature_celsius=whole_degrees(hottest),
     )
 
 

@@ -29,18 +29,23 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ember_runtime import reasons
-from ember_runtime.config import VIEWS_DIR
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import (
+    BLOBS_DIR,
+    FAILED_DIR,
+    USED_DIR,
+    VIEWS_DIR,
+    WAITING_DIR,
+    is_digest,
+    partial_name,
+)
 from ember_runtime.durable import fsync_dir
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 
 log = logging.getLogger("ember_runtime.nodeagent.cache")
-USED_DIR = "used"  # <root>/used/<digest>: when a pod here last named it (nodeagent/evict)
 
 DEFAULT_ROOT = Path("/var/lib/ember/cache")
 CHUNK_BYTES = 1 << 20
-PARTIAL_SUFFIX = ".partial"
-HEX = frozenset("0123456789abcdef")
 # Network errors after which the same request is resumed from the bytes already on disk.
 RESUMABLE = (httpx.TransportError, httpx.RemoteProtocolError)
 
@@ -101,9 +106,9 @@ class Want:
 class ContentCache:
     def __init__(self, root: Path = DEFAULT_ROOT) -> None:
         self.root = root
-        self.blobs = root / "sha256"
-        self.failures = root / "failed"
-        self.waiting = root / "waiting"  # why a download waits (a window), for prewarm
+        self.blobs = root / BLOBS_DIR
+        self.failures = root / FAILED_DIR
+        self.waiting = root / WAITING_DIR  # why a download waits (a window), for prewarm
 
     def directories(self) -> tuple[Path, ...]:
         """What the agent writes into (the chart's init container gives them to its uid): its
@@ -121,7 +126,7 @@ class ContentCache:
         return self.blobs / sha256
 
     def partial(self, sha256: str) -> Path:
-        return self.blobs / f"{sha256}{PARTIAL_SUFFIX}"
+        return self.blobs / partial_name(sha256)
 
     def has(self, sha256: str, size_bytes: int) -> bool:
         try:
@@ -135,7 +140,7 @@ class ContentCache:
             names = [p.name for p in self.blobs.iterdir()]
         except OSError:
             return []
-        return sorted(n for n in names if len(n) == 64 and all(c in HEX for c in n))
+        return sorted(n for n in names if is_digest(n))
 
     def failure(self, sha256: str) -> str | None:
         """The recorded failure line for `sha256`, if its last download failed for good."""
@@ -150,7 +155,7 @@ class ContentCache:
             names = [p.name for p in self.failures.iterdir()]
         except OSError:
             return []
-        return sorted(n for n in names if len(n) == 64 and all(c in HEX for c in n))
+        return sorted(n for n in names if is_digest(n))
 
     def record_failure(self, sha256: str, err: FetchError) -> None:
         _write_line(self.failures, sha256, failure_line(err))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping
 
-from ember_runtime import reasons
+from ember_runtime.contract import reasons
 from ember_runtime.nodeagent.cache import FetchError
 
 

@@ -28,10 +28,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember_runtime.nodeagent.cache import USED_DIR, ContentCache
+from ember_runtime.contract.cache import USED_DIR, is_digest
+from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.fetcher import KubeReader, PodFetch
 from ember_runtime.nodeagent.labels import CacheLabels
-from ember_runtime.nodeagent.views import DigestViews, is_digest
+from ember_runtime.nodeagent.views import DigestViews
 
 log = logging.getLogger("ember_runtime.nodeagent.evict")
 

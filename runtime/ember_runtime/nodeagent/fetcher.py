@@ -37,14 +37,9 @@ from typing import Any, Protocol
 import httpx
 from pydantic import ValidationError
 
-from ember_runtime import reasons
-from ember_runtime.config import (
-    FETCH_HASH_ANNOTATION,
-    INSTANCE_LABEL,
-    FetchFile,
-    ModelFetch,
-    fetch_from_spec,
-)
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
+from ember_runtime.contract.config import FetchFile, ModelFetch, fetch_from_spec
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, failure_line
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
 from ember_runtime.nodeagent.labels import CacheLabels

@@ -1,7 +1,7 @@
 """Labels on the agent's own Node that say which models its cache holds, for the scheduler.
 
 For every complete file under `sha256/`, the Node carries `cache.ember.dev/<digest16>: "true"`
-(`ember_runtime.config.cache_label`); the operator gives http-sourced pods a *preferred*
+(`ember_runtime.contract.cache.cache_label`); the operator gives http-sourced pods a *preferred*
 nodeAffinity term for it, so a replica that is rescheduled, added or rolled lands where its
 model already is. A label, not the `ember.dev/cache` annotation site sharing writes, because
 node affinity matches labels only; and on every node, site or none.
@@ -20,7 +20,7 @@ import logging
 import time
 from contextlib import suppress
 
-from ember_runtime.config import CACHE_LABEL_PREFIX, cache_label
+from ember_runtime.contract.cache import CACHE_LABEL_PREFIX, cache_label
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.site import API_ERRORS, MERGE_PATCH, Api
 from ember_runtime.thermal.kube import ApiError

@@ -29,8 +29,9 @@ from typing import Any
 
 import httpx
 
-from ember_runtime import reasons
-from ember_runtime.config import MODEL_DOWNLOAD_CONDITION, FetchFile
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import MODEL_DOWNLOAD_CONDITION
+from ember_runtime.contract.config import FetchFile
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.fetcher import KubeReader, PodFetch, Unresolved
 from ember_runtime.prewarm.cachewait import Observation, progress_message

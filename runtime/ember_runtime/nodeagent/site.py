@@ -52,7 +52,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from ember_runtime import reasons
+from ember_runtime.contract import reasons
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import Checker, ContentCache, FetchError, Signer, Want
 from ember_runtime.nodeagent.metrics import PEER, AgentMetrics

@@ -31,14 +31,17 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from pathlib import Path
 
-from ember_runtime.config import VIEW_DATA, VIEWS_DIR
-from ember_runtime.nodeagent.cache import HEX, PARTIAL_SUFFIX, ContentCache
+from ember_runtime.contract.cache import (
+    VIEW_DATA,
+    VIEW_FAILED,
+    VIEW_WAITING,
+    VIEWS_DIR,
+    is_digest,
+    partial_name,
+)
+from ember_runtime.nodeagent.cache import ContentCache
 
 log = logging.getLogger("ember_runtime.nodeagent.views")
-
-
-def is_digest(name: str) -> bool:
-    return len(name) == 64 and all(c in HEX for c in name)
 
 
 class DigestViews:
@@ -92,9 +95,9 @@ class DigestViews:
         view.mkdir(exist_ok=True)
         view.chmod(0o755)
         _link(self.cache.path(sha), view / VIEW_DATA)
-        _link(self.cache.partial(sha), view / f"{VIEW_DATA}{PARTIAL_SUFFIX}")
-        _mirror(self.cache.failures / sha, view / "failed")
-        _mirror(self.cache.waiting / sha, view / "waiting")
+        _link(self.cache.partial(sha), view / partial_name(VIEW_DATA))
+        _mirror(self.cache.failures / sha, view / VIEW_FAILED)
+        _mirror(self.cache.waiting / sha, view / VIEW_WAITING)
 
     async def run(self) -> None:
         while True:

@@ -2,7 +2,7 @@
 
 prewarm   preflight → copy+hash every file into the target → verify → rename → manifest.
           Exit 0 when the target holds the verified model (copied now or reused); otherwise
-          one `Reason: detail` line to the termination log (`ember_runtime.reasons`; the
+          one `Reason: detail` line to the termination log (`ember_runtime.contract.reasons`; the
           operator shows it as the Degraded reason) and exit 1,
           or 143 after SIGTERM.
 diagnose  the same checks as a ✅/⚠️/❌ table (or `--json`); exit 1 when any check fails.
@@ -21,8 +21,8 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from ember_runtime import reasons
-from ember_runtime.config import CONFIG_ENV, RuntimeConfig, load_config
+from ember_runtime.contract import reasons
+from ember_runtime.contract.config import CONFIG_ENV, RuntimeConfig, load_config
 from ember_runtime.prewarm.checks import (
     DEFAULT_MARGIN_BYTES,
     Host,
@@ -138,7 +138,7 @@ def _config_error(err: Exception) -> str:
 
 
 def write_termination_log(path: Path, reason: str, detail: str, err: TextIO = sys.stderr) -> None:
-    """One `Reason: detail` line for the pod status (`ember_runtime.reasons`, which the
+    """One `Reason: detail` line for the pod status (`ember_runtime.contract.reasons`, which the
     operator parses); stderr always gets it too, in case the file is unwritable."""
     print(f"prewarm failed: {reasons.termination_message(reason, detail)}", file=err)
     try:

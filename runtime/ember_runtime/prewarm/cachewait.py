@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from ember_runtime import reasons
-from ember_runtime.config import ModelFile, RuntimeConfig
+from ember_runtime.contract import reasons
+from ember_runtime.contract.cache import VIEW_FAILED, VIEW_WAITING, partial_name
+from ember_runtime.contract.config import ModelFile, RuntimeConfig
 from ember_runtime.prewarm.errors import Interrupted, PrewarmError
 
 NODE_ENV = "NODE_NAME"  # the downward API's spec.nodeName, in every Ember pod's env
@@ -52,7 +53,7 @@ def _done_bytes(config: RuntimeConfig) -> int:
     total = 0
     for f in config.files:
         final = config.source_file(f)
-        partial = final.with_name(f"{final.name}.partial")
+        partial = final.with_name(partial_name(final.name))
         total += f.size_bytes if _held(config, f) else min(_size(partial), f.size_bytes)
     return total
 
@@ -68,7 +69,7 @@ def _waiting_note(config: RuntimeConfig) -> str:
         if _held(config, f):
             continue
         try:
-            note = _beside(config, f, "waiting").read_text().strip()
+            note = _beside(config, f, VIEW_WAITING).read_text().strip()
         except OSError:
             continue
         if note:
@@ -79,7 +80,7 @@ def _waiting_note(config: RuntimeConfig) -> str:
 def _recorded_failure(config: RuntimeConfig) -> PrewarmError | None:
     for f in config.files:
         try:
-            line = _beside(config, f, "failed").read_text()
+            line = _beside(config, f, VIEW_FAILED).read_text()
         except OSError:
             continue
         parsed = reasons.parse_termination_message(line)

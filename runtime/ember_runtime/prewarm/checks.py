@@ -19,8 +19,8 @@ from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
-from ember_runtime import reasons
-from ember_runtime.config import RuntimeConfig
+from ember_runtime.contract import reasons
+from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.prewarm.copy import PARTIAL_MARKER
 from ember_runtime.prewarm.manifest import manifest_matches
 

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember_runtime import reasons
-from ember_runtime.config import ModelFile
+from ember_runtime.contract import reasons
+from ember_runtime.contract.config import ModelFile
 from ember_runtime.durable import fsync_dir
 from ember_runtime.prewarm.errors import ChecksumMismatch, Interrupted, PrewarmError, SizeMismatch
 from ember_runtime.prewarm.manifest import ManifestEntry

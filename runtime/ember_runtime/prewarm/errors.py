@@ -1,9 +1,10 @@
-"""Prewarm failures. Each carries a reason from the shared vocabulary (`ember_runtime.reasons`)
-and a one-line detail; `termination_message()` is the line written to the termination log."""
+"""Prewarm failures. Each carries a reason from the shared vocabulary
+(`ember_runtime.contract.reasons`) and a one-line detail; `termination_message()` is the line
+written to the termination log."""
 
 from __future__ import annotations
 
-from ember_runtime import reasons
+from ember_runtime.contract import reasons
 
 
 class PrewarmError(Exception):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ember_runtime.config import ModelFile, RuntimeConfig
+from ember_runtime.contract.config import ModelFile, RuntimeConfig
 from ember_runtime.durable import fsync_dir
 
 MANIFEST_NAME = ".ember-prewarm.json"

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ember_runtime.config import SensorSettings
+from ember_runtime.contract.config import SensorSettings
 from ember_runtime.sensors.base import (
     SensorUnavailableError,
     TemperatureSource,

@@ -2,8 +2,8 @@
 
 Before loading the model the runtime checks that the engine's memory (`ember_runtime.memory`,
 the same rule the operator sizes the pod with) fits under the container's cgroup limit, and
-exits 2 with a one-line `Reason: detail` (`ember_runtime.reasons`) in the termination log when
-it does not.
+exits 2 with a one-line `Reason: detail` (`ember_runtime.contract.reasons`) in the termination
+log when it does not.
 
 SIGTERM (the kubelet's stop signal) stops accepting connections, lets in-flight streams finish
 (bounded by the request timeout), then stops the engine and exits 0.
@@ -22,7 +22,7 @@ from types import FrameType
 
 import uvicorn
 
-from ember_runtime import reasons
+from ember_runtime.contract import reasons
 from ember_runtime.engines.base import EngineUnavailableError
 from ember_runtime.heap import freeze_startup_heap
 from ember_runtime.memory import MemoryLimitError

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from ember_runtime.config import RuntimeConfig
+from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.engines.base import Engine, StepObserver
 from ember_runtime.sensors import TemperatureSource, build_source, telemetry_of
 from ember_runtime.server import admin, embeddings, errors, routes

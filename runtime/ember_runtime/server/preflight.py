@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ember_runtime.config import RuntimeConfig
+from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.engines.embedding import check_pooling
 from ember_runtime.memory import (
     EngineMemory,

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ember_runtime.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, RuntimeConfig, load_config
+from ember_runtime.contract.config import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
+    RuntimeConfig,
+    load_config,
+)
 from ember_runtime.prewarm.manifest import resolve_model_path as prewarmed
 
 # flag/env name -> (section, camelCase field) in RuntimeConfig

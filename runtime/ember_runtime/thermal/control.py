@@ -12,7 +12,8 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from ember_runtime.config import ThermalPolicy, load_config
+from ember_runtime.contract.config import load_config
+from ember_runtime.contract.thermal import ThermalPolicy
 from ember_runtime.sensors.base import TemperatureSource, describe_problems, problems_of
 from ember_runtime.thermal.governor import Governor
 from ember_runtime.thermal.reporter import ConditionReporter

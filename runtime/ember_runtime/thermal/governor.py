@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ember_runtime.config import (
+from ember_runtime.contract.thermal import (
     REASON_NO_READING,
     REASON_SENSOR_UNAVAILABLE,
+    BatchLimits,
     ThermalPolicy,
     ThermalReading,
+    ThermalReason,
+    whole_degrees,
 )
 
 log = logging.getLogger(__name__)
@@ -40,15 +43,14 @@ class GovernorState:
     temperature_celsius: float | None
     batch: int
     capacity: int
-    reason: str
+    reason: ThermalReason
     override: Override | None
     sensor_problem: str | None = None  # why a configured sensor gives no reading
 
     def reading(self) -> ThermalReading:
-        temp = self.temperature_celsius
         return ThermalReading(
             reason=self.reason,
-            temperature_celsius=None if temp is None else round(temp),
+            temperature_celsius=whole_degrees(self.temperature_celsius),
             max_batch_size=self.batch,
             capacity=self.capacity,
             detail=self.sensor_problem,
@@ -72,30 +74,25 @@ class Governor:
         self._capacity = capacity
         self._set_batch, self._clock = set_batch, clock
         self._lock = threading.Lock()
-        self._policy = self._fit(policy)
-        self._batch = self._policy.max_batch_size  # in force
+        # The engine's capacity (engine.maxBatchSize, the one rendered ceiling) bounds the policy.
+        self._limits = policy.limits(capacity)
+        self._batch = capacity  # in force
         # The policy's own value, kept up to date under an override too, so the policy resumes
         # from its own hysteresis state (not from the override's value) when that expires.
         self._policy_batch = self._batch
         self._temp: float | None = None
         self._sensor_problem: str | None = None
         self._override: Override | None = None
-        set_batch(self._batch)  # the policy's maximum may be below the engine's capacity
-
-    def _fit(self, policy: ThermalPolicy) -> ThermalPolicy:
-        """The engine cannot run more sequences than it allocated for (its capacity)."""
-        top = min(policy.max_batch_size, self._capacity)
-        bottom = min(policy.min_batch_size, top)
-        return policy.model_copy(update={"max_batch_size": top, "min_batch_size": bottom})
+        set_batch(self._batch)  # the first limit: the engine and the governor agree from here
 
     @property
-    def policy(self) -> ThermalPolicy:
-        return self._policy
+    def limits(self) -> BatchLimits:
+        return self._limits
 
     def set_policy(self, policy: ThermalPolicy) -> GovernorState:
         with self._lock:
-            self._policy = self._fit(policy)
-        log.info("thermal policy reloaded: %s", self._policy.model_dump(by_alias=True))
+            self._limits = policy.limits(self._capacity)
+        log.info("thermal policy reloaded: %s", policy.model_dump(by_alias=True))
         return self.apply(self._temp, self._sensor_problem)
 
     def set_override(self, batch: int, seconds: float) -> GovernorState:
@@ -121,7 +118,7 @@ class Governor:
             if override is not None and self._clock() >= override.until:
                 log.info("manual batch override %d expired", override.batch)
                 self._override = override = None
-            self._policy_batch = self._policy.next_batch(temp, self._policy_batch)
+            self._policy_batch = self._limits.next_batch(temp, self._policy_batch)
             # An override sheds load; it never lifts the batch above what the policy allows at
             # this temperature (threat model: the thermal floor is not a client's to remove).
             wanted = self._policy_batch
@@ -140,13 +137,13 @@ class Governor:
             return self._state_locked()
 
     def _state_locked(self) -> GovernorState:
-        reason = self._policy.reason(self._temp, self._batch)
+        reason = self._limits.reason(self._temp, self._batch)
         if reason == REASON_NO_READING and self._sensor_problem:
             reason = REASON_SENSOR_UNAVAILABLE  # not just "no reading": a sensor is broken
         return GovernorState(
             temperature_celsius=self._temp,
             batch=self._batch,
-            capacity=self._policy.max_batch_size,
+            capacity=self._capacity,
             reason=reason,
             override=self._override,
             sensor_problem=self._sensor_problem,

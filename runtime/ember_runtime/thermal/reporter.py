@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ember_runtime.config import ThermalReading, thermal_condition
+from ember_runtime.contract.thermal import ThermalReading, thermal_condition
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ reasons and the kubelet's. The message format is defined here once, writer and p
 side, so the two ends cannot drift apart again (prewarm once wrote `checksum mismatch: …` while
 the operator looked for `ChecksumMismatch: …`).
 
-The README's troubleshooting table is generated from `REASONS` (`python -m ember_runtime.reasons
-README.md` rewrites it; a test fails when it is stale).
+The README's troubleshooting table is generated from `REASONS` (`python -m
+ember_runtime.contract.reasons README.md` rewrites it; a test fails when it is stale).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember_runtime import config
+from ember_runtime.contract import thermal
 
 # Who reports a reason. Node-side reasons are the only ones a termination message may carry.
 PREWARM, RUNTIME, OPERATOR, KUBELET, SCHEDULER = (
@@ -262,31 +262,31 @@ FULL_BATCH = _define(
 THERMAL_POLICY_OFF = _define(
     "ThermalPolicyOff", OPERATOR, "`thermal.policy` is off.", condition="Throttled"
 )
-# The runtime's and node agent's own ember.dev/Thermal condition (names live in config.py).
-_THERMAL = config.THERMAL_CONDITION
-_define(config.REASON_NORMAL, RUNTIME, "Below the throttle temperature.", condition=_THERMAL)
+# The runtime's and node agent's own ember.dev/Thermal condition (names in contract/thermal.py).
+_THERMAL = thermal.THERMAL_CONDITION
+_define(thermal.REASON_NORMAL, RUNTIME, "Below the throttle temperature.", condition=_THERMAL)
 _define(
-    config.REASON_THROTTLED,
+    thermal.REASON_THROTTLED,
     RUNTIME,
     "Above `thermal.throttleCelsius`: the batch is lowered.",
     condition=_THERMAL,
 )
 _define(
-    config.REASON_CRITICAL,
+    thermal.REASON_CRITICAL,
     RUNTIME,
     "At or above `thermal.criticalCelsius`; held for `criticalForSeconds`, the node is tainted "
     "and its replicas move.",
     condition=_THERMAL,
 )
 _define(
-    config.REASON_NO_READING,
+    thermal.REASON_NO_READING,
     RUNTIME,
     "No temperature sensor found: full batch. Check `operator.sensorsSysfsRoot`.",
     condition=_THERMAL,
 )
-_define(config.REASON_POLICY_OFF, RUNTIME, "`thermal.policy` is off.", condition=_THERMAL)
+_define(thermal.REASON_POLICY_OFF, RUNTIME, "`thermal.policy` is off.", condition=_THERMAL)
 _define(
-    config.REASON_SENSOR_UNAVAILABLE,
+    thermal.REASON_SENSOR_UNAVAILABLE,
     RUNTIME,
     "A configured sensor cannot start or read (message: which and why, e.g. NVML without a "
     "driver): full batch, no temperature. Also shown on the object's Throttled condition. Fix "
@@ -342,7 +342,7 @@ def with_table(readme: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m ember_runtime.reasons README.md`: rewrite the table in place."""
+    """`python -m ember_runtime.contract.reasons README.md`: rewrite the table in place."""
     for name in argv:
         path = Path(name)
         path.write_text(with_table(path.read_text()))

@@ -1,0 +1,290 @@
+"""The runtime config: what the operator renders as YAML into the ConfigMap mounted at
+`/etc/ember/config.yaml`, and what the prewarm init container and the runtime sidecar read back
+with `load_config`. Field names are camelCase on the wire (like every Kubernetes object) and
+snake_case in Python.
+
+Its `thermal:` section (`contract.thermal.ThermalPolicy`) is left out of the pod template's
+config hash, so changing it reloads the runtimes instead of restarting them. The batch ceiling
+is `engine.maxBatchSize` alone: the governor applies the policy to it (`BatchLimits`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import Field, model_validator
+
+from ember_runtime.contract.cache import VIEW_DATA
+from ember_runtime.contract.thermal import (
+    DEFAULT_MAX_BATCH_SIZE,
+    MAX_BATCH,
+    BatchLimits,
+    ThermalPolicy,
+)
+from ember_runtime.contract.wire import Wire, dump_yaml
+from ember_runtime.memory import DEFAULT_STEP_TOKENS, offloaded_layers, unified_kv
+
+log = logging.getLogger(__name__)
+DEFAULT_CONFIG_PATH = Path("/etc/ember/config.yaml")
+CONFIG_ENV = "EMBER_CONFIG"
+
+
+class ModelFile(Wire):
+    path: str = Field(description="Path relative to the model directory.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size_bytes: int = Field(ge=0)
+
+
+class FetchFile(Wire):
+    url: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size_bytes: int = Field(ge=1)
+
+
+class ModelFetch(Wire):
+    secret_ref: str | None = Field(
+        default=None, description="Secret in the node agent's namespace with credentials."
+    )
+    files: list[FetchFile]
+
+    def digest(self) -> str:
+        """`FETCH_HASH_ANNOTATION`'s value: changes with any URL, digest, size or Secret."""
+        text = self.model_dump_json(by_alias=True, exclude_none=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fetch_from_spec(model: Any) -> ModelFetch | None:
+    """An InferenceDeployment's `spec.model` (as the API server returns it) → what to fetch;
+    None for a source other than http. Raises ValueError (pydantic's) on a shape the CRD
+    would not have accepted."""
+    if not isinstance(model, dict):
+        raise ValueError("spec.model is not an object")
+    http = (model.get("source") or {}).get("http")
+    if http is None:
+        return None
+    urls = http.get("urls") or {}
+    secret = http.get("secretRef") or {}
+    files = [
+        {"url": urls[f["path"]], "sha256": f.get("sha256"), "sizeBytes": f.get("sizeBytes")}
+        for f in model.get("files") or []
+        if f.get("path") in urls
+    ]
+    return ModelFetch.model_validate({"secretRef": secret.get("name"), "files": files})
+
+
+class EngineSettings(Wire):
+    kind: Literal["llamacpp", "tensorrt-llm"] = "llamacpp"
+    context_length: int = Field(default=2048, ge=64)
+    max_batch_size: int = Field(
+        default=DEFAULT_MAX_BATCH_SIZE,
+        ge=1,
+        le=MAX_BATCH,
+        description="Capacity: sequences the engine allocates for; the thermal policy's ceiling.",
+    )
+    threads: int = Field(default=1, ge=1)
+    deterministic: bool = Field(
+        default=False,
+        description="Batch-independent greedy output at a throughput cost (engines/llamacpp).",
+    )
+    step_tokens: int = Field(
+        default=DEFAULT_STEP_TOKENS,
+        ge=16,
+        le=4096,
+        description="Prompt tokens per scheduling step beside the decodes (engines/scheduler).",
+    )
+    kv_unified: bool | None = Field(
+        default=None,
+        description="One KV pool for all sequences (None: the mode's default; never when "
+        "deterministic).",
+    )
+    gpu_layers: int | None = Field(
+        default=None,
+        ge=0,
+        description="llamacpp: layers offloaded to the GPU (None: every layer on nvidia-gpu, "
+        "none elsewhere; 0 keeps the model on the CPU).",
+    )
+    sampler_threads: int | None = Field(
+        default=None,
+        ge=0,
+        le=64,
+        description="llamacpp: threads that draw a step's rows in parallel (None: the cores "
+        "`threads` leaves spare, up to 8, and none when fewer than 2 are; 0: none).",
+    )
+    device_sampling: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="llamacpp: sample eligible requests inside llama_decode on the device "
+        "(auto: when layers are offloaded to a GPU; engines/device_sampling).",
+    )
+    args: dict[str, str] = Field(default_factory=dict)
+
+    def offloaded_layers(self, accelerator: str) -> int:
+        """The `n_gpu_layers` llama.cpp gets: what the spec says, else all of them on a GPU.
+
+        llama.cpp clamps the count to the model's layers (+1 for the output layer), so
+        `ALL_LAYERS` means "everything" for any model without reading its header here."""
+        return offloaded_layers(self.gpu_layers, accelerator)
+
+    def llamacpp_modes(self) -> LlamaCppModes:
+        """`deterministic`, plus the deprecated `args` flags of the previous release.
+
+        `exactBatching`, `prefixCache` and `repack` were free-form strings; they still work for
+        this release (an explicit flag wins over what `deterministic` implies) and each one
+        logs a deprecation warning naming its replacement.
+        """
+        deterministic = self.deterministic
+        exact = _legacy_flag(self.args, "exactBatching", "engine.deterministic")
+        if exact is not None:
+            deterministic = deterministic or exact
+        return LlamaCppModes(
+            deterministic=deterministic,
+            prefix_cache=_legacy_flag(self.args, "prefixCache", "engine.deterministic"),
+            repack=_legacy_flag(self.args, "repack", "engine.deterministic"),
+            kv_unified=unified_kv(deterministic, self.kv_unified),
+        )
+
+
+@dataclass(frozen=True)
+class LlamaCppModes:
+    deterministic: bool
+    prefix_cache: bool | None  # None: what the mode implies (on unless deterministic)
+    repack: bool | None
+    kv_unified: bool
+
+
+def _legacy_flag(args: dict[str, str], key: str, replacement: str) -> bool | None:
+    raw = args.get(key)
+    if raw is None:
+        return None
+    log.warning(
+        "engine.args.%s is deprecated and will be removed in the next release; use %s "
+        "(fast batching, repacking and the prefix cache are the default now)",
+        key,
+        replacement,
+    )
+    return raw.strip().lower() == "true"
+
+
+class ServerSettings(Wire):
+    host: str = "0.0.0.0"  # noqa: S104 - a pod's server must listen on the pod IP
+    port: int = Field(default=8080, ge=1, le=65535)
+    api_key_file: str | None = Field(
+        default=None, description="File holding the API key (mounted from apiKeySecretRef)."
+    )
+    max_queue: int = Field(
+        default=64, ge=1, description="Requests waiting for a batch slot; beyond it 429."
+    )
+    request_timeout_seconds: float = Field(default=300.0, gt=0)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+
+
+class SensorSettings(Wire):
+    sysfs_root: str = "/sys"
+    nvml: bool = False
+    npu_smi: str | None = None
+    interval_seconds: float = Field(
+        default=0.25,
+        gt=0,
+        description="Sampling period; each sample applies the thermal policy. sysfs zones read "
+        "in microseconds; npu-smi takes ~1 s per call, so use >= 1 with it.",
+    )
+    zone_types: list[str] = Field(
+        default_factory=list,
+        description="fnmatch patterns of thermal-zone types that count (empty: all zones).",
+    )
+    ewma_rising: float = Field(
+        default=1.0, gt=0, le=1, description="EWMA weight of a rising reading (fast attack)."
+    )
+    ewma_falling: float = Field(
+        default=0.5, gt=0, le=1, description="EWMA weight of a falling reading (slow release)."
+    )
+    report_condition: bool = Field(
+        default=False,
+        description="Write the ember.dev/Thermal condition on the runtime's own Pod (needs the "
+        "pod's ServiceAccount token and POD_NAME/POD_NAMESPACE).",
+    )
+
+
+class RuntimeConfig(Wire):
+    model_name: str
+    format: Literal["gguf", "trtllm-engine"] = "gguf"
+    task: Literal["generate", "embed"] = Field(
+        default="generate",
+        description="generate: completions and chat; embed: /v1/embeddings (engines/embedding).",
+    )
+    pooling: Literal["mean", "cls", "last"] | None = Field(
+        default=None, description="embed: pooling type; None: the GGUF's <arch>.pooling_type."
+    )
+    model_dir: str = Field(description="Where the model's files are mounted (the source).")
+    files: list[ModelFile] = Field(default_factory=list)
+    model_layout: Literal["paths", "sha256"] = Field(
+        default="paths",
+        description="paths: each file at model_dir/<path>; sha256 (http source): each file "
+        "at model_dir/<digest>/data, the node agent's view of that one digest (contract.cache), "
+        "with data.partial, failed and waiting beside it.",
+    )
+    model_wait_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        description="sha256 layout: how long prewarm waits for the node agent to fetch the files "
+        "before it exits with ModelDownloading (the kubelet then starts it again).",
+    )
+    prewarm_dir: str | None = Field(
+        default=None, description="Memory-backed directory that prewarm fills; None: no prewarm."
+    )
+    accelerator: Literal["cpu", "nvidia-gpu", "npu"] = "cpu"
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    sensors: SensorSettings = Field(default_factory=SensorSettings)
+    thermal: ThermalPolicy = Field(default_factory=ThermalPolicy)
+    termination_log: str = "/dev/termination-log"
+
+    @model_validator(mode="after")
+    def _embed_settings(self) -> Self:
+        if self.pooling is not None and self.task != "embed":
+            raise ValueError("pooling only applies to task embed")
+        if self.task == "embed" and self.engine.kind != "llamacpp":
+            raise ValueError("task embed requires the llamacpp engine")
+        return self
+
+    def limits(self) -> BatchLimits:
+        """The thermal policy for this engine's capacity: what the governor applies (a floor
+        above the capacity is capped by it; the CRD refuses engine.minBatchSize > maxBatchSize)."""
+        return self.thermal.limits(self.engine.max_batch_size)
+
+    def total_bytes(self) -> int:
+        return sum(f.size_bytes for f in self.files)
+
+    def source_file(self, file: ModelFile) -> Path:
+        """Where `file` is read from on the model volume."""
+        if self.model_layout == "sha256":
+            return Path(self.model_dir) / file.sha256 / VIEW_DATA
+        return Path(self.model_dir) / file.path
+
+    def to_yaml(self) -> str:
+        return dump_yaml(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+    def restart_relevant_yaml(self) -> str:
+        """The config without its thermal policy: what the pod template's hash covers, so a
+        policy change is reloaded by running replicas instead of rolling them."""
+        # Fields at their defaults are left out, so adding a field does not roll every
+        # existing replica when the operator is upgraded.
+        exclude = {"thermal"} | {k for k in _NEWER_FIELDS if getattr(self, k) == _DEFAULTS[k]}
+        data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
+        return dump_yaml(data, sort_keys=False)
+
+
+_NEWER_FIELDS = ("model_layout", "model_wait_seconds", "task", "pooling")
+_DEFAULTS = {k: RuntimeConfig.model_fields[k].default for k in _NEWER_FIELDS}
+
+
+def load_config(path: str | Path | None = None) -> RuntimeConfig:
+    """Read the config from `path`, else `$EMBER_CONFIG`, else the ConfigMap mount."""
+    chosen = Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+    data = yaml.safe_load(chosen.read_text())
+    return RuntimeConfig.model_validate(data)
