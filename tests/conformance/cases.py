@@ -224,7 +224,26 @@ def openai_tools(base_url: str, model: str) -> None:
     call = message.tool_calls[0]
     assert call.type == "function" and call.id, call
     _check_weather_args(call.function.name, call.function.arguments)
+    # The call's own text is the call, not content a client would show (OpenAI: null).
+    assert not message.content, message.content
     assert reply.choices[0].finish_reason in ("tool_calls", "stop"), reply.choices[0]
+
+
+def openai_tools_auto(base_url: str, model: str) -> None:
+    """`auto` leaves the choice to the model: either answer is well-formed, a call must parse."""
+    reply = _chat(
+        base_url, model, messages=_user(WEATHER_PROMPT), tools=[WEATHER_TOOL], max_tokens=64
+    )
+    message = reply.choices[0].message
+    for call in message.tool_calls or []:
+        assert call.type == "function" and call.id, call
+        _check_weather_args(call.function.name, call.function.arguments)
+    assert message.tool_calls or isinstance(message.content, str), message
+
+
+def openai_models(base_url: str, model: str) -> None:
+    ids = [m.id for m in _openai(base_url).models.list()]
+    assert model in ids, ids
 
 
 def openai_tools_required_stream(base_url: str, model: str) -> None:
@@ -532,6 +551,8 @@ CASES: list[Case] = [
     Case("openai", "n=2", openai_n2),
     Case("openai", "parse (pydantic)", openai_parse),
     Case("openai", "json_object", openai_json_object),
+    Case("openai", "models list", openai_models),
+    Case("openai", "tools auto", openai_tools_auto),
     Case("openai", "tools (named)", openai_tools),
     Case("openai", "tools required, streamed", openai_tools_required_stream),
     Case("openai", "tool result turn", openai_tool_result),
