@@ -118,6 +118,8 @@ def llama_server(embed: bool, log_dir: Path) -> Iterator[Endpoint]:
     server = Server(name, llama_server_argv(port, embed), port, health="/health")
     server.start(log_dir)
     try:
+        props = httpx.get(server.base + "/props", timeout=30).text  # its chat template, for notes
+        (log_dir / f"{name}.props.json").write_text(props)
         yield server.base, model_id(server.base)
     finally:
         server.stop()
@@ -176,6 +178,23 @@ def table(results: dict[str, dict[str, Outcome]], header: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def llama_server_notes(log_dir: Path) -> list[str]:
+    """What llama-server said about this run: its chat template and its distinct warnings."""
+    notes = ["", "llama-server's own account of the run:", ""]
+    props = log_dir / "llama-server.props.json"
+    if props.exists():
+        template = str(json.loads(props.read_text()).get("chat_template", ""))
+        notes.append(f"- chat template (GET /props): `{' '.join(template.split())[:120]}`")
+    warnings: set[str] = set()
+    for log in sorted(log_dir.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            parts = line.split(" ", 2)
+            if len(parts) == 3 and parts[1] == "W":  # "<time> W <message>"
+                warnings.add(f"{log.stem}: {' '.join(parts[2].split())}")
+    notes += [f"- warning: {w[:300]}" for w in sorted(warnings)]
+    return notes
+
+
 def describe() -> list[str]:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
@@ -204,6 +223,7 @@ def main() -> None:
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # benches serialise on the machine's one lock
         log_dir = Path(tempfile.mkdtemp(prefix="clients-matrix-"))
+        print(f"llama-server logs: {log_dir}", file=sys.stderr)
         results = {
             "ember": run_matrix("ember", ember),
             "llama-server": run_matrix("llama-server", lambda e: llama_server(e, log_dir)),
@@ -211,11 +231,13 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     header = describe()
-    out.with_suffix(".md").write_text(table(results, header))
+    notes = llama_server_notes(log_dir)
+    out.with_suffix(".md").write_text(table(results, header) + "\n".join(notes) + "\n")
     data = {
         "header": header,
         "cases": [{"id": c.id, **{s: asdict(results[s][c.id]) for s in SERVERS}} for c in CASES],
         "behind": behind(results),
+        "llama_server_notes": notes,
     }
     out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
     print(out.with_suffix(".md").read_text())

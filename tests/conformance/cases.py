@@ -14,6 +14,7 @@ in the bench).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import enum
 import json
@@ -130,10 +131,10 @@ NAMED_TOOL = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def _check_weather_args(name: str, arguments: str | dict[str, Any]) -> None:
-    assert name == "get_weather", name
+    assert name == "get_weather", f"tool call name {name!r}, arguments {arguments!r}"
     args = json.loads(arguments) if isinstance(arguments, str) else arguments
-    assert isinstance(args.get("city"), str), args
-    assert args.get("unit") in ("celsius", "fahrenheit"), args
+    assert isinstance(args.get("city"), str), f"arguments {args!r}"
+    assert args.get("unit") in ("celsius", "fahrenheit"), f"arguments {args!r}"
 
 
 # --- openai ------------------------------------------------------------------------------------
@@ -370,6 +371,36 @@ def openai_completions_list(base_url: str, model: str) -> None:
     assert all(isinstance(c.text, str) for c in reply.choices), reply.choices
 
 
+def openai_completions_stream(base_url: str, model: str) -> None:
+    stream = _openai(base_url).completions.create(
+        model=model,
+        prompt="The sky is",
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices), chunks
+    usage = chunks[-1].usage
+    assert usage is not None and 0 < usage.completion_tokens <= 6, chunks[-1]
+
+
+def openai_async_stream(base_url: str, model: str) -> None:
+    """The async client, as agent frameworks and web apps use it."""
+
+    async def run() -> str:
+        client = openai.AsyncOpenAI(
+            base_url=v1(base_url), api_key=API_KEY, max_retries=0, timeout=TIMEOUT
+        )
+        async with client:
+            stream = await client.chat.completions.create(
+                model=model, messages=_user(), max_tokens=8, stream=True
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    assert asyncio.run(run())
+
+
 def openai_refusal_names_field(base_url: str, model: str) -> None:
     """Bad input is a 400 whose message names the field (here: temperature out of range)."""
     try:
@@ -489,6 +520,8 @@ def langchain_embeddings(base_url: str, model: str) -> None:
 def _litellm(base_url: str, model: str, **kwargs: Any) -> Any:
     import litellm
 
+    litellm.suppress_debug_info = True  # else each error prints a feedback banner to stdout
+
     kwargs.setdefault("messages", _user())
     kwargs.setdefault("max_tokens", 16)
     return litellm.completion(
@@ -534,6 +567,8 @@ def litellm_tools(base_url: str, model: str) -> None:
 def litellm_embedding(base_url: str, model: str) -> None:
     import litellm
 
+    litellm.suppress_debug_info = True
+
     reply = litellm.embedding(
         model=f"openai/{model}",
         api_base=v1(base_url),
@@ -565,6 +600,8 @@ CASES: list[Case] = [
     Case("openai", "developer role", openai_developer_role),
     Case("openai", "seed determinism", openai_seed),
     Case("openai", "completions prompt list", openai_completions_list),
+    Case("openai", "completions stream include_usage", openai_completions_stream),
+    Case("openai", "async client stream", openai_async_stream),
     Case("openai", "400 names the field", openai_refusal_names_field),
     Case("langchain", "ChatOpenAI invoke", langchain_invoke),
     Case("langchain", "ChatOpenAI stream", langchain_stream),
