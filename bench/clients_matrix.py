@@ -197,7 +197,11 @@ def llama_server_notes(log_dir: Path) -> list[str]:
 
 def describe() -> list[str]:
     commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=RESULTS.parent,
     ).stdout.strip()
     clients = ", ".join(
         f"{p} {version(p)}" for p in ("openai", "langchain-openai", "langchain-core", "litellm")
