@@ -1,6 +1,6 @@
 """`make bench`: every benchmark in turn, each printing its own table (results in bench/results/).
 
-    python bench/run_all.py [NAME ...]     # NAME: deviceplugin prewarm runtime operator thermal
+    python bench/run_all.py [NAME ...]  # deviceplugin prewarm runtime operator thermal clients
 
 Benchmarks are not tests: they print figures side by side with their peer; nothing here asserts
 a speed. Several need root (page-cache drops, loop devices, cgroups) and the local cluster.
@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-ORDER = ("deviceplugin", "prewarm", "runtime", "operator", "thermal")
+ORDER = ("deviceplugin", "prewarm", "runtime", "operator", "thermal", "clients")
+SCRIPTS = {"clients": "clients_matrix.py"}  # the others are <name>_bench.py
 
 
 def main(argv: list[str]) -> int:
@@ -25,9 +26,10 @@ def main(argv: list[str]) -> int:
         return 2
     failed = []
     for name in names:
-        print(f"\n=== bench/{name}_bench.py ===", flush=True)
+        script = SCRIPTS.get(name, f"{name}_bench.py")
+        print(f"\n=== bench/{script} ===", flush=True)
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, str(BENCH / f"{name}_bench.py")], check=False)
+        proc = subprocess.run([sys.executable, str(BENCH / script)], check=False)
         print(f"=== {name}: exit {proc.returncode} in {time.monotonic() - start:.0f}s", flush=True)
         if proc.returncode:
             failed.append(name)

@@ -207,6 +207,9 @@ class Server:
     argv: list[str]
     port: int
     env: dict[str, str] = field(default_factory=dict)
+    # A GET path that answers 200 once the server is ready (an embedding server serves no
+    # completions); empty: a two-token completion is the probe.
+    health: str = ""
     proc: subprocess.Popen[bytes] | None = None
     peak_rss_bytes: int = 0
 
@@ -224,11 +227,14 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited early; see {log.name}")
             try:
-                r = httpx.post(
-                    self.base + "/v1/completions",
-                    json={"prompt": "Hello", "max_tokens": 2, "temperature": 0},
-                    timeout=30,
-                )
+                if self.health:
+                    r = httpx.get(self.base + self.health, timeout=30)
+                else:
+                    r = httpx.post(
+                        self.base + "/v1/completions",
+                        json={"prompt": "Hello", "max_tokens": 2, "temperature": 0},
+                        timeout=30,
+                    )
                 if r.status_code == 200:
                     return
             except httpx.TransportError:
