@@ -121,6 +121,17 @@ def test_base64_is_the_same_little_endian_float32(embedder: LiveServer) -> None:
         assert np.array_equal(decoded, np.asarray(as_list, dtype=np.float32))
 
 
+def test_a_null_encoding_format_is_float(embedder: LiveServer) -> None:
+    """LiteLLM sends `"encoding_format": null` on every call; OpenAI reads it as float."""
+    reply = httpx.post(
+        f"{embedder.url}/v1/embeddings",
+        json={"input": SENTENCES[0], "encoding_format": None},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    assert isinstance(reply.json()["data"][0]["embedding"], list)
+
+
 def test_the_clients_default_base64_decodes_to_the_floats(client: openai.OpenAI) -> None:
     # The openai client asks for base64 when no encoding_format is given and decodes it.
     default = vectors(client.embeddings.create(model="m", input=SENTENCES[:2]))

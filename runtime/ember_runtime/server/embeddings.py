@@ -34,7 +34,8 @@ class EmbeddingRequest(BaseModel):
 
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
+    # null is float: LiteLLM sends `"encoding_format": null` on every call.
+    encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None  # labels a request at OpenAI; changes nothing
 
@@ -75,8 +76,9 @@ async def embeddings(
         vectors = await asyncio.wait_for(embedder.embed(inputs), state.request_timeout)
     except TimeoutError:
         raise APIError(504, "the embeddings took too long", code="timeout") from None
+    encoding = body.encoding_format or "float"
     data = [
-        {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+        {"object": "embedding", "index": i, "embedding": _encoded(v, encoding)}
         for i, v in enumerate(vectors)
     ]
     return JSONResponse(
