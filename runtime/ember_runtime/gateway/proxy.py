@@ -154,7 +154,7 @@ async def forward(up: Upstream, call: Call) -> Response:
             up.metrics.retries.labels(model, str(outcome.status_code)).inc()
             last = outcome
             continue
-        return Relay(outcome, functools.partial(_finished, up, model, replica))
+        return Relay(model, outcome, functools.partial(_finished, up, model, replica))
     if last is not None:  # every replica refused: the client sees the last refusal as it was
         headers = {k: v for k, v in last.headers.items() if k.lower() in _PASS_BACK}
         return Response(last.content, status_code=last.status_code, headers=headers)
@@ -177,8 +177,8 @@ class Relay(Response):
     waiting for the client's socket (uvicorn's flow control is the backpressure), and the
     upstream closed when the client goes away."""
 
-    def __init__(self, committed: _Committed, done: Callable[[str], None]) -> None:
-        self.c, self.done = committed, done
+    def __init__(self, model: str, committed: _Committed, done: Callable[[str], None]) -> None:
+        self.model, self.c, self.done = model, committed, done
         self.status_code = committed.response.status_code
         self.background = None
         headers = {k: v for k, v in committed.response.headers.items() if k.lower() in _PASS_BACK}
@@ -194,7 +194,10 @@ class Relay(Response):
             while chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 chunk = await anext(self.c.chunks, b"")
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
+            log.warning(
+                "%s: the stream from %s broke off: %r", self.model, self.c.replica.backend.key, exc
+            )
             return "cut"
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return "ok"
