@@ -182,6 +182,12 @@ class Relay(Response):
         self.status_code = committed.response.status_code
         self.background = None
         headers = {k: v for k, v in committed.response.headers.items() if k.lower() in _PASS_BACK}
+        length = committed.response.headers.get("content-length")
+        # A whole body in the first chunk (a non-streamed answer) goes out with its length in
+        # one send after the headers; anything else is relayed chunk by chunk.
+        self.whole = length is not None and length == str(len(committed.first))
+        if self.whole:
+            headers["content-length"] = length
         headers["x-ember-replica"] = committed.replica.backend.key.rpartition("/")[2]
         self.init_headers(headers)
 
@@ -190,6 +196,9 @@ class Relay(Response):
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
         chunk = self.c.first
+        if self.whole:
+            await send({"type": "http.response.body", "body": chunk, "more_body": False})
+            return "ok"
         try:
             while chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
