@@ -13,8 +13,7 @@ from ember_runtime.gateway.app import Runner, create_app
 from ember_runtime.gateway.discovery import KubeDiscovery, static
 from ember_runtime.gateway.fleet import Fleet
 from ember_runtime.gateway.policy import Policy
-from ember_runtime.nodeagent.fetcher import KubeReader
-from ember_runtime.thermal.kube import Endpoint
+from ember_runtime.thermal.kube import Endpoint, KubeReader
 
 
 def _env(name: str, default: str = "") -> str:

@@ -14,6 +14,8 @@ and putting them back, so the site keeps serving for as long as the control plan
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -23,8 +25,7 @@ from ember_runtime.config import INSTANCE_LABEL
 from ember_runtime.gateway import routes as routing
 from ember_runtime.gateway.fleet import Fleet
 from ember_runtime.gateway.metrics import GatewayMetrics
-from ember_runtime.nodeagent.credentials import decode_secret_data
-from ember_runtime.nodeagent.fetcher import API_ERRORS, KubeReader
+from ember_runtime.thermal.kube import API_ERRORS, KubeReader
 
 log = logging.getLogger(__name__)
 SITE_LABEL = "ember.dev/site"
@@ -96,8 +97,9 @@ class KubeDiscovery:
             namespace, name, key = ref
             try:
                 secret = await self.reader.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
-                value = decode_secret_data(secret.get("data") or {}).get(key, "").strip()
-            except API_ERRORS as exc:  # keep what we had: offline is not "no key"
+                value = base64.b64decode((secret.get("data") or {}).get(key, "")).decode().strip()
+            except (*API_ERRORS, binascii.Error, UnicodeDecodeError) as exc:
+                # keep the key we had: an unreachable API server is not "no key"
                 log.warning("reading the API key %s/%s: %s", namespace, name, exc)
                 continue
             if value:
