@@ -179,7 +179,15 @@ class CutRelay:
         self._loop.call_soon_threadsafe(reset_all)
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        async def shut() -> None:
+            self._server.close()
+            here = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not here]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream request
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the API reads: a line per request
     if args.load_factor < 1.0:
         raise SystemExit("--load-factor must be at least 1")
     if args.static is not None:

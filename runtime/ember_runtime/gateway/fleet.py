@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from ember_runtime.gateway.policy import Policy, ReplicaView, is_throttled, order
 from ember_runtime.gateway.routes import Backend, ModelRoute
@@ -94,22 +94,24 @@ class Fleet:
             log.warning("replica %s is out: it refused a connection", replica.backend.key)
         replica.healthy, replica.failures = False, FAILURES_TO_EJECT
 
-    async def probe(self, client: httpx.AsyncClient, replica: Replica) -> None:
+    async def probe(self, client: aiohttp.ClientSession, replica: Replica) -> None:
         try:
-            resp = await client.get(
-                f"{replica.backend.url}/admin/state", headers=replica.auth(), timeout=self.timeout
-            )
-            resp.raise_for_status()
-            state = resp.json()
+            async with client.get(
+                f"{replica.backend.url}/admin/state",
+                headers=replica.auth(),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                raise_for_status=True,
+            ) as resp:
+                state = await resp.json()
             replica.batch_limit = int(state["maxBatchSize"])
             replica.capacity = int(state["capacity"])
             replica.active = int(state["activeSequences"])
             replica.queued = int(state["queueDepth"])
             replica.reason = str(state.get("thermalReason", ""))
             replica.draining = bool(state.get("draining", False))
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             replica.failures += 1
-            refused = isinstance(exc, httpx.ConnectError)
+            refused = isinstance(exc, aiohttp.ClientConnectorError)
             if replica.healthy and (refused or replica.failures >= FAILURES_TO_EJECT):
                 log.warning("replica %s is out: %r", replica.backend.key, exc)
                 replica.healthy = False
@@ -118,7 +120,7 @@ class Fleet:
             log.info("replica %s is in", replica.backend.key)
         replica.healthy, replica.failures, replica.probed_at = True, 0, time.monotonic()
 
-    async def probe_forever(self, client: httpx.AsyncClient) -> None:
+    async def probe_forever(self, client: aiohttp.ClientSession) -> None:
         while True:
             self._changed.clear()
             replicas = list(self._replicas.values())

@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({429, 503})
 # Failures that prove the replica never produced a byte of this response.
-BEFORE_FIRST_BYTE = (httpx.TransportError,)
+BEFORE_FIRST_BYTE = (aiohttp.ClientError, TimeoutError)
 _PASS_BACK = ("content-type", "cache-control", "x-accel-buffering", "retry-after")
 
 
@@ -79,7 +79,7 @@ def authorized(request: Request, route: ModelRoute) -> bool:
 
 @dataclass
 class Upstream:
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     fleet: Fleet
     metrics: GatewayMetrics
 
@@ -98,38 +98,54 @@ class Call:
 @dataclass
 class _Committed:
     replica: Replica
-    response: httpx.Response
+    response: aiohttp.ClientResponse
     chunks: AsyncIterator[bytes]
     first: bytes
 
 
-async def _attempt(up: Upstream, replica: Replica, call: Call) -> _Committed | httpx.Response:
-    """A committed response, or a retryable status (its body read); transport errors raise."""
+@dataclass(frozen=True)
+class _Refused:
+    """A 429 or 503, read whole: what the client gets if every replica refuses."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+async def _attempt(up: Upstream, replica: Replica, call: Call) -> _Committed | _Refused:
+    """A committed response, or a retryable refusal; transport errors raise."""
     headers = {
         "Content-Type": call.request.headers.get("content-type", "application/json"),
         "Accept": call.request.headers.get("accept", "*/*"),
         "Accept-Encoding": "identity",
         **replica.auth(),
     }
-    upstream = up.client.build_request(
-        "POST", replica.backend.url + call.path, content=call.body, headers=headers
+    response = await up.client.post(
+        replica.backend.url + call.path, data=call.body, headers=headers
     )
-    response = await up.client.send(upstream, stream=True)
     try:
-        if response.status_code in RETRY_STATUS:
-            await response.aread()
-            return response
-        chunks = response.aiter_raw()
+        if response.status in RETRY_STATUS:
+            body = await response.read()
+            kept = {k: v for k, v in response.headers.items() if k.lower() in _PASS_BACK}
+            response.release()
+            return _Refused(response.status, kept, body)
+        chunks = response.content.iter_any()
         first = await anext(chunks, b"")
     except BaseException:
-        await response.aclose()
+        response.close()
         raise
     return _Committed(replica, response, chunks, first)
 
 
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect"
+    return "timeout" if isinstance(exc, TimeoutError) else "reset"
+
+
 async def forward(up: Upstream, call: Call) -> Response:
     """Try the candidates in policy order until one commits; the client's answer."""
-    last: httpx.Response | None = None
+    last: _Refused | None = None
     model = call.route.name
     for replica in up.fleet.order(model, call.prompt):
         replica.inflight += 1
@@ -138,8 +154,8 @@ async def forward(up: Upstream, call: Call) -> Response:
             outcome = await _attempt(up, replica, call)
         except BEFORE_FIRST_BYTE as exc:
             replica.inflight -= 1
-            cause = "connect" if isinstance(exc, httpx.ConnectError) else type(exc).__name__
-            if isinstance(exc, httpx.ConnectError):
+            cause = _cause(exc)
+            if cause == "connect":
                 up.fleet.mark_down(replica)
             up.metrics.upstream_errors.labels(model, cause).inc()
             up.metrics.retries.labels(model, cause).inc()
@@ -148,16 +164,15 @@ async def forward(up: Upstream, call: Call) -> Response:
         except BaseException:
             replica.inflight -= 1
             raise
-        if isinstance(outcome, httpx.Response):
+        if isinstance(outcome, _Refused):
             replica.inflight -= 1
-            up.metrics.upstream_errors.labels(model, str(outcome.status_code)).inc()
-            up.metrics.retries.labels(model, str(outcome.status_code)).inc()
+            up.metrics.upstream_errors.labels(model, str(outcome.status)).inc()
+            up.metrics.retries.labels(model, str(outcome.status)).inc()
             last = outcome
             continue
         return Relay(model, outcome, functools.partial(_finished, up, model, replica))
     if last is not None:  # every replica refused: the client sees the last refusal as it was
-        headers = {k: v for k, v in last.headers.items() if k.lower() in _PASS_BACK}
-        return Response(last.content, status_code=last.status_code, headers=headers)
+        return Response(last.body, status_code=last.status, headers=last.headers)
     return error(503, f"no replica of {model} is reachable", code="no_replica")
 
 
@@ -179,14 +194,14 @@ class Relay(Response):
 
     def __init__(self, model: str, committed: _Committed, done: Callable[[str], None]) -> None:
         self.model, self.c, self.done = model, committed, done
-        self.status_code = committed.response.status_code
+        self.status_code = committed.response.status
         self.background = None
         headers = {k: v for k, v in committed.response.headers.items() if k.lower() in _PASS_BACK}
-        length = committed.response.headers.get("content-length")
+        length = committed.response.headers.get("Content-Length")
         # A whole body in the first chunk (a non-streamed answer) goes out with its length in
         # one send after the headers; anything else is relayed chunk by chunk.
-        self.whole = length is not None and length == str(len(committed.first))
-        if self.whole:
+        self.whole = length == str(len(committed.first))
+        if length is not None and self.whole:
             headers["content-length"] = length
         headers["x-ember-replica"] = committed.replica.backend.key.rpartition("/")[2]
         self.init_headers(headers)
@@ -203,7 +218,7 @@ class Relay(Response):
             while chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 chunk = await anext(self.c.chunks, b"")
-        except httpx.HTTPError as exc:
+        except BEFORE_FIRST_BYTE as exc:  # here: after it
             log.warning(
                 "%s: the stream from %s broke off: %r", self.model, self.c.replica.backend.key, exc
             )
@@ -228,7 +243,10 @@ class Relay(Response):
                 await _disconnected(receive)
                 group.cancel_scope.cancel()
         finally:
-            await self.c.response.aclose()  # unread: the connection closes, the replica cancels
+            if kind == "ok":
+                self.c.response.release()  # read to the end: the connection goes back to the pool
+            else:
+                self.c.response.close()  # unread: the connection closes, the replica cancels
             self.done(kind)
         if kind == "cut":
             raise UpstreamCut("the replica's response broke off after the first byte")
