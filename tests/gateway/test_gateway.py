@@ -406,3 +406,20 @@ def test_a_replica_that_stops_answering_is_out_within_2s_and_back(
         gw.stop()
         if back is not None:
             back.stop()
+
+
+def test_health_readiness_and_metrics(gateway: Gateway) -> None:
+    assert httpx.get(f"{gateway.url}/healthz").text == "ok"
+    assert httpx.get(f"{gateway.url}/readyz").status_code == 200
+    complete(gateway, "Hello")
+    text = httpx.get(f"{gateway.url}/metrics").text
+    assert 'ember_gateway_requests_total{code="200",model="alpha"}' in text
+    assert 'ember_gateway_healthy_replicas{model="alpha"} 2.0' in text
+    assert "ember_gateway_added_seconds_count" in text
+    empty = start_gateway({"alpha": route("alpha", None)})
+    try:  # nothing to route to: not ready, and a request is a 503 in OpenAI's shape
+        assert httpx.get(f"{empty.url}/readyz").status_code == 503
+        reply = httpx.post(f"{empty.url}/v1/completions", json={"model": "alpha", "prompt": "x"})
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_replica"
+    finally:
+        empty.stop()

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -65,9 +66,15 @@ def _point(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
+@functools.lru_cache(maxsize=64)
+def _ring(keys: tuple[str, ...]) -> list[tuple[int, str]]:
+    """The ring of a set of replicas, built once per set (a request only looks it up)."""
+    return sorted((_point(f"{k}#{i}"), k) for k in keys for i in range(VIRTUAL_NODES))
+
+
 def ring_order(keys: Sequence[str], prefix: str) -> list[str]:
     """Every key once, in the order met walking the ring clockwise from the prefix's point."""
-    ring = sorted((_point(f"{k}#{i}"), k) for k in keys for i in range(VIRTUAL_NODES))
+    ring = _ring(tuple(sorted(keys)))
     start = bisect.bisect_left(ring, (_point(prefix), ""))
     seen: list[str] = []
     for j in range(len(ring)):
