@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -35,6 +36,7 @@ from ember_runtime.gateway.proxy import (
 )
 from ember_runtime.server.middleware import BodyLimit
 
+log = logging.getLogger(__name__)
 PROXIED = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 # Discovery: keeps the fleet's routes current until cancelled.
 Runner = Callable[[Fleet, GatewayMetrics], Coroutine[Any, Any, None]]
@@ -137,6 +139,11 @@ async def not_found(request: Request, exc: Exception) -> Response:
     return error(404, f"no route {request.url.path}", code="not_found")
 
 
+async def internal(request: Request, exc: Exception) -> Response:
+    log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error(500, "the gateway failed on this request", code="gateway_error")
+
+
 async def not_allowed(request: Request, exc: Exception) -> Response:
     message = f"{request.method} is not allowed on {request.url.path}"
     return error(405, message, code="method_not_allowed")
@@ -157,7 +164,7 @@ def create_app(
         Route("/readyz", gateway.readyz, methods=["GET"]),
         Route("/metrics", gateway.prometheus, methods=["GET"]),
     ]
-    handlers = {404: not_found, 405: not_allowed}
+    handlers: dict[Any, Any] = {404: not_found, 405: not_allowed, Exception: internal}
     app = Starlette(routes=routes, lifespan=gateway.lifespan, exception_handlers=handlers)
     app.state.gateway = gateway
     app.add_middleware(BodyLimit, limit=max_body_bytes)
