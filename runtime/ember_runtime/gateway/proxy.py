@@ -61,8 +61,8 @@ def prefix_text(doc: dict[str, Any]) -> str:
             parts.append(f"{message.get('role', '')}:{content or ''}\n")
         return "".join(parts)
     prompt = doc.get("prompt", doc.get("input", ""))
-    if isinstance(prompt, list) and prompt:
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # several prompts: the first
     if isinstance(prompt, list):
         return ",".join(str(t) for t in prompt[:256])
     return prompt if isinstance(prompt, str) else ""
