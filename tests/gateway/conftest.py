@@ -28,12 +28,19 @@ BETA_KEY = "beta-key-9876543210"
 POLICY = Policy(prefix_chars=64, min_prefix=48, load_factor=1.25)
 
 
-def start_replica(tmp: Path, model: str, key: str, listen: int = 0, **server: object) -> LiveServer:
+def start_replica(
+    tmp: Path, model: str, key: str, listen: int = 0, min_batch: int | None = None, **server: object
+) -> LiveServer:
+    """`min_batch`: the thermal policy's floor (its default is the test capacity, 4: heat would
+    change nothing)."""
     tmp.mkdir(parents=True, exist_ok=True)
     key_file = tmp / "api-key"
     key_file.write_text(key + "\n")
     config = make_config(tmp / "sysfs", None, apiKeyFile=str(key_file), **server)
     config = config.model_copy(update={"model_name": model})
+    if min_batch is not None:
+        thermal = config.thermal.model_copy(update={"min_batch_size": min_batch})
+        config = config.model_copy(update={"thermal": thermal})
     return start_live(runtime_app(config), port=listen)
 
 
@@ -64,7 +71,12 @@ class Gateway:
         deadline = time.monotonic() + timeout
         while not check(self.fleet):
             if time.monotonic() > deadline:
-                raise AssertionError("the gateway's probes never showed the expected state")
+                seen = [
+                    (r.backend.key, r.view()) for m in self.routes for r in self.fleet.replicas(m)
+                ]
+                raise AssertionError(
+                    f"the gateway's probes never showed the expected state: {seen}"
+                )
             time.sleep(0.05)
 
     def stop(self) -> None:

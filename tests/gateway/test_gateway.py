@@ -423,3 +423,25 @@ def test_health_readiness_and_metrics(gateway: Gateway) -> None:
         assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_replica"
     finally:
         empty.stop()
+
+
+def test_a_replica_heated_through_its_sensor_is_avoided_within_2s(
+    replicas: list[LiveServer], tmp_path: Path
+) -> None:
+    """The real sensor path: a sysfs thermal zone heats, the replica's governor throttles it,
+    and the gateway's probes see that over the LAN (no API server involved)."""
+    a1 = replicas[1]
+    hot = start_replica(tmp_path / "h", "alpha", ALPHA_KEY, min_batch=1)
+    gw = start_gateway({"alpha": route("alpha", ALPHA_KEY, hot.url, a1.url)}, interval=0.4)
+    try:
+        prompts = [prompt_preferring([hot.url, a1.url], hot.url, tail=f"#{i}") for i in range(4)]
+        assert served_by(complete(gw, prompts[0])) == host(hot)  # cool: its prefixes go there
+        zone = tmp_path / "h" / "sysfs" / "class" / "thermal" / "thermal_zone0" / "temp"
+        zone.write_text("88000\n")
+        heated = time.monotonic()
+        gw.wait_probed(lambda f: f.replicas("alpha")[0].view().throttled, timeout=10)
+        assert time.monotonic() - heated <= 2.0
+        assert all(served_by(complete(gw, p)) == host(a1) for p in prompts)
+    finally:
+        gw.stop()
+        hot.stop()
