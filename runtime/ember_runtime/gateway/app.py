@@ -49,7 +49,9 @@ def upstream_client(connect_timeout: float, read_timeout: float) -> aiohttp.Clie
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=connect_timeout, sock_read=read_timeout
     )
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    # Idle connections are dropped before the runtime's uvicorn drops them (after 5 s): a
+    # request must never race a server-side close on a pooled connection.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
     return aiohttp.ClientSession(
         timeout=timeout, connector=connector, auto_decompress=False, trust_env=False
     )
