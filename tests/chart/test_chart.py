@@ -312,8 +312,8 @@ def _pushed_refs(registry: str) -> set[str]:
 def test_every_image_comes_from_the_registry_make_push_fills(helm: str) -> None:
     """The quick start on your own cluster: `make push REGISTRY=R` then `helm install --set
     image.registry=R`. Every image a pod pulls — the operator, the device plugin, the node
-    agent, and the runtime + prewarm images the operator renders into InferenceDeployment pods
-    — must be one that push put there (else ImagePullBackOff)."""
+    agent, the site gateway, and the runtime + prewarm images the operator renders into
+    InferenceDeployment pods — must be one that push put there (else ImagePullBackOff)."""
     from ember_operator import render as operator_render
     from ember_operator import sizing
     from ember_operator.api.models import parse_spec
@@ -323,12 +323,14 @@ def test_every_image_comes_from_the_registry_make_push_fills(helm: str) -> None:
 
     registry = "example.test/ember"
     pushed = _pushed_refs(registry)
-    assert len(pushed) == 3 and all(ref.startswith(f"{registry}/ember-") for ref in pushed)
+    assert len(pushed) == 4 and all(ref.startswith(f"{registry}/ember-") for ref in pushed)
 
-    docs = render(helm, "--set", f"image.registry={registry}")
+    docs = render(helm, "--set", f"image.registry={registry}", "--set", "gateway.enabled=true")
     workloads = by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet")
     pulled = set().union(*(_images(w["spec"]["template"]["spec"]) for w in workloads))
-    (operator,) = by_kind(docs, "Deployment")
+    (operator,) = [
+        d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "ember-operator"
+    ]
     env = {
         e["name"]: e.get("value")
         for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]

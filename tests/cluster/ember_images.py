@@ -58,6 +58,7 @@ IMAGES = (
     EmberImage("ember-operator", "images/operator.Dockerfile"),
     EmberImage("ember-runtime", "images/runtime.Dockerfile"),
     EmberImage("ember-deviceplugin", "images/deviceplugin.Dockerfile"),
+    EmberImage("ember-gateway", "images/gateway.Dockerfile"),
 )
 
 

@@ -20,7 +20,7 @@ from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.models import default_model_path
 from ember_runtime.server.app import create_app
 from ember_runtime.server.state import AppState
-from fastapi import FastAPI
+from starlette.applications import Starlette
 
 CAPACITY = 4
 CONTEXT = 512
@@ -29,7 +29,7 @@ API_KEY = "s3cret-test-key"
 
 @dataclass
 class LiveServer:
-    app: FastAPI
+    app: Starlette  # the runtime's FastAPI app, or the gateway's
     server: uvicorn.Server
     thread: threading.Thread
     url: str
@@ -44,8 +44,8 @@ class LiveServer:
         self.thread.join(timeout=60)
 
 
-def start_live(app: FastAPI) -> LiveServer:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+def start_live(app: Starlette, port: int = 0) -> LiveServer:
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()

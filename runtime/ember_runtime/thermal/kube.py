@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import ssl
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # Where the token and CA are, if not in a pod's usual place (a runtime run by hand on a node).
 SA_DIR_ENV = "EMBER_SERVICEACCOUNT_DIR"
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+WATCH_SECONDS = 300  # the API server ends a watch after this; the reader starts the next one
 
 
 class ApiError(Exception):
@@ -85,3 +87,52 @@ class ConditionPatcher:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+class KubeReader:
+    """GETs and watches with the agent's own token (re-read each time: the kubelet rotates it)."""
+
+    def __init__(self, endpoint: Endpoint, timeout: float = 10.0) -> None:
+        self._endpoint = endpoint
+        verify: ssl.SSLContext | bool = True
+        if endpoint.ca_file is not None:
+            verify = ssl.create_default_context(cafile=str(endpoint.ca_file))
+        timeout_cfg = httpx.Timeout(timeout, read=WATCH_SECONDS + 30)
+        self._http = httpx.AsyncClient(base_url=endpoint.server, verify=verify, timeout=timeout_cfg)
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._endpoint.token_file.read_text().strip()}"}
+
+    async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
+        resp = await self._http.get(path, params=params, headers=self._auth())
+        if resp.status_code >= 300:
+            raise ApiError(resp.status_code, resp.text)
+        data: dict[str, Any] = resp.json()
+        return data
+
+    async def send(
+        self, method: str, path: str, body: dict[str, Any], content_type: str = "application/json"
+    ) -> dict[str, Any]:
+        """POST/PUT/PATCH one object; the API server's answer (the object as stored)."""
+        headers = {**self._auth(), "Content-Type": content_type}
+        resp = await self._http.request(method, path, content=json.dumps(body), headers=headers)
+        if resp.status_code >= 300:
+            raise ApiError(resp.status_code, resp.text)
+        data: dict[str, Any] = resp.json()
+        return data
+
+    async def watch(self, path: str, params: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+        query = {**params, "watch": "true", "timeoutSeconds": str(WATCH_SECONDS)}
+        async with self._http.stream("GET", path, params=query, headers=self._auth()) as resp:
+            if resp.status_code >= 300:
+                raise ApiError(resp.status_code, (await resp.aread()).decode(errors="replace"))
+            async for line in resp.aiter_lines():
+                if line.strip():
+                    yield json.loads(line)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+# What a failed read of the API server raises: an error status, no answer, or a bad body.
+API_ERRORS = (ApiError, httpx.HTTPError, ValueError, KeyError)

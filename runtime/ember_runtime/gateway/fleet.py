@@ -1,0 +1,129 @@
+"""The replicas' live state, read from the replicas themselves over the site's LAN.
+
+Every `interval` seconds the gateway asks each replica for `GET /admin/state` (its batch limit,
+capacity, active and queued sequences, thermal reason, draining), with that replica's own API
+key and a `timeout` (polling, not piggy-backing on responses: an idle or a cooling replica sends
+no responses, and its recovery must still be seen). A replica that refuses the connection is out
+at once; one that fails two probes in a row is out (within 2 × (interval + timeout)); one that
+answers is back. The gateway counts its own requests in flight per replica between probes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+
+from ember_runtime.gateway.policy import Policy, ReplicaView, is_throttled, order
+from ember_runtime.gateway.routes import Backend, ModelRoute
+
+log = logging.getLogger(__name__)
+FAILURES_TO_EJECT = 2
+
+
+@dataclass(eq=False)
+class Replica:
+    backend: Backend
+    api_key: str | None
+    batch_limit: int = 0
+    capacity: int = 0
+    active: int = 0
+    queued: int = 0
+    reason: str = ""
+    draining: bool = False
+    healthy: bool = False  # until its first probe answers
+    failures: int = 0
+    inflight: int = 0
+    probed_at: float = 0.0
+
+    def view(self) -> ReplicaView:
+        return ReplicaView(
+            key=self.backend.key,
+            batch_limit=self.batch_limit,
+            active=self.active,
+            queued=self.queued,
+            inflight=self.inflight,
+            throttled=is_throttled(self.reason, self.batch_limit, self.capacity),
+            healthy=self.healthy,
+            draining=self.draining,
+        )
+
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+class Fleet:
+    """Routes plus each replica's state; the routes change only through `update`."""
+
+    def __init__(self, policy: Policy, interval: float = 0.4, timeout: float = 0.5) -> None:
+        self.policy, self.interval, self.timeout = policy, interval, timeout
+        self.routes: dict[str, ModelRoute] = {}
+        self._replicas: dict[tuple[str, str], Replica] = {}  # (model, backend key)
+        self._changed = asyncio.Event()
+
+    def update(self, routes: Mapping[str, ModelRoute]) -> None:
+        """New routes; a replica whose address and key are unchanged keeps its state."""
+        fresh: dict[tuple[str, str], Replica] = {}
+        for route in routes.values():
+            for backend in route.backends:
+                old = self._replicas.get((route.name, backend.key))
+                same = old is not None and old.backend == backend and old.api_key == route.api_key
+                fresh[(route.name, backend.key)] = (
+                    old if same and old else Replica(backend, route.api_key)
+                )
+        self.routes, self._replicas = dict(routes), fresh
+        self._changed.set()
+
+    def replicas(self, model: str) -> list[Replica]:
+        return [r for (m, _), r in self._replicas.items() if m == model]
+
+    def order(self, model: str, prompt: str) -> list[Replica]:
+        reps = {r.backend.key: r for r in self.replicas(model)}
+        return [reps[v.key] for v in order([r.view() for r in reps.values()], prompt, self.policy)]
+
+    def ready(self) -> bool:
+        return any(r.healthy for r in self._replicas.values())
+
+    def mark_down(self, replica: Replica) -> None:
+        if replica.healthy:
+            log.warning("replica %s is out: it refused a connection", replica.backend.key)
+        replica.healthy, replica.failures = False, FAILURES_TO_EJECT
+
+    async def probe(self, client: aiohttp.ClientSession, replica: Replica) -> None:
+        try:
+            async with client.get(
+                f"{replica.backend.url}/admin/state",
+                headers=replica.auth(),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                raise_for_status=True,
+            ) as resp:
+                state = await resp.json()
+            replica.batch_limit = int(state["maxBatchSize"])
+            replica.capacity = int(state["capacity"])
+            replica.active = int(state["activeSequences"])
+            replica.queued = int(state["queueDepth"])
+            replica.reason = str(state.get("thermalReason", ""))
+            replica.draining = bool(state.get("draining", False))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            replica.failures += 1
+            refused = isinstance(exc, aiohttp.ClientConnectorError)
+            if replica.healthy and (refused or replica.failures >= FAILURES_TO_EJECT):
+                log.warning("replica %s is out: %r", replica.backend.key, exc)
+                replica.healthy = False
+            return
+        if not replica.healthy:
+            log.info("replica %s is in", replica.backend.key)
+        replica.healthy, replica.failures, replica.probed_at = True, 0, time.monotonic()
+
+    async def probe_forever(self, client: aiohttp.ClientSession) -> None:
+        while True:
+            self._changed.clear()
+            replicas = list(self._replicas.values())
+            await asyncio.gather(*(self.probe(client, r) for r in replicas))
+            with contextlib.suppress(TimeoutError):  # new replicas are probed at once
+                await asyncio.wait_for(self._changed.wait(), self.interval)

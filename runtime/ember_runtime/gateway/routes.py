@@ -1,0 +1,142 @@
+"""What the gateway serves, as data: model name → its replicas and its API key.
+
+`build` is pure: the InferenceDeployments, their pods, the site's node names and the API keys
+read from Secrets go in; the routes and the conflicts come out. Kubernetes discovery
+(`discovery.KubeDiscovery`) and a static file (`load_static`, a site without an API server or a
+test) both end here.
+
+Two InferenceDeployments serving one model name: the older one (creationTimestamp, then
+namespace/name) keeps the name; the other is reported as a conflict (a log line and the
+`ember_gateway_model_conflicts` gauge) and serves nothing through the gateway. A union would
+mix two API keys and two engine configurations under one name; adding a second object must not
+change where the first one's traffic goes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ember_runtime.config import INSTANCE_LABEL
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    key: str  # namespace/pod (or the URL, for a static replica)
+    url: str  # http://podIP:port
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    name: str  # the served model name (OpenAI `model`)
+    owner: str  # namespace/name of the InferenceDeployment
+    api_key: str | None  # what clients must present, and what the gateway sends its replicas
+    backends: tuple[Backend, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    model: str
+    kept: str
+    refused: str
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta: Mapping[str, Any] = obj.get("metadata") or {}
+    return meta
+
+
+def ident(obj: Mapping[str, Any]) -> str:
+    meta = _meta(obj)
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def key_ref(obj: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(namespace, Secret name, key) of an InferenceDeployment's API key, if it has one."""
+    ref = ((obj.get("spec") or {}).get("server") or {}).get("apiKeySecretRef")
+    if not ref:
+        return None
+    return (str(_meta(obj).get("namespace", "")), str(ref["name"]), str(ref["key"]))
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    if _meta(pod).get("deletionTimestamp"):
+        return False  # terminating: its runtime drains; no new work
+    status = pod.get("status") or {}
+    if not status.get("podIP"):
+        return False
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+
+
+def _backends(
+    deployment: Mapping[str, Any], pods: Iterable[Mapping[str, Any]], nodes: frozenset[str] | None
+) -> tuple[Backend, ...]:
+    namespace, name = _meta(deployment).get("namespace"), _meta(deployment).get("name")
+    port = int(((deployment.get("spec") or {}).get("server") or {}).get("port", 8080))
+    out = []
+    for pod in pods:
+        meta = _meta(pod)
+        if (
+            meta.get("namespace") != namespace
+            or (meta.get("labels") or {}).get(INSTANCE_LABEL) != name
+        ):
+            continue
+        if nodes is not None and (pod.get("spec") or {}).get("nodeName") not in nodes:
+            continue  # another site's replica: across the WAN, not ours to route to
+        if pod_ready(pod):
+            ip = pod["status"]["podIP"]
+            host = f"[{ip}]" if ":" in ip else ip
+            out.append(Backend(f"{namespace}/{meta.get('name')}", f"http://{host}:{port}"))
+    return tuple(sorted(out, key=lambda b: b.key))
+
+
+def build(
+    deployments: Iterable[Mapping[str, Any]],
+    pods: Iterable[Mapping[str, Any]],
+    keys: Mapping[tuple[str, str, str], str],
+    nodes: frozenset[str] | None = None,
+) -> tuple[dict[str, ModelRoute], list[Conflict]]:
+    """`keys`: the API keys read so far, by `key_ref`. A deployment whose key has not been read
+    is left out (serving it open would skip its authentication)."""
+    pods = list(pods)
+    routes: dict[str, ModelRoute] = {}
+    conflicts: list[Conflict] = []
+    ordered = sorted(
+        deployments, key=lambda d: (str(_meta(d).get("creationTimestamp", "")), ident(d))
+    )
+    for deployment in ordered:
+        name = str(((deployment.get("spec") or {}).get("model") or {}).get("name", ""))
+        ref = key_ref(deployment)
+        if not name or (ref is not None and ref not in keys):
+            continue
+        if name in routes:
+            conflicts.append(Conflict(name, routes[name].owner, ident(deployment)))
+            continue
+        api_key = keys[ref] if ref is not None else None
+        routes[name] = ModelRoute(
+            name, ident(deployment), api_key, _backends(deployment, pods, nodes)
+        )
+    return routes, conflicts
+
+
+def load_static(path: Path) -> dict[str, ModelRoute]:
+    """A JSON file: {"models": [{"name", "apiKeyFile"?, "replicas": [url, ...]}]}."""
+    data = json.loads(path.read_text())
+    routes: dict[str, ModelRoute] = {}
+    for entry in data["models"]:
+        name = str(entry["name"])
+        if name in routes:
+            raise ValueError(f"{path}: model {name!r} is listed twice")
+        key_file = entry.get("apiKeyFile")
+        api_key = Path(key_file).read_text().strip() if key_file else None
+        if key_file and not api_key:
+            raise ValueError(f"{path}: the API key file {key_file} is empty")
+        backends = tuple(Backend(str(url), str(url).rstrip("/")) for url in entry["replicas"])
+        routes[name] = ModelRoute(name, f"static/{name}", api_key, backends)
+    return routes
