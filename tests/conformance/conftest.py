@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ember_runtime.config import RuntimeConfig
+from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.models import default_model_path
 from ember_runtime.server.app import create_app
 

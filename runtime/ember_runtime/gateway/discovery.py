@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from ember_runtime.config import INSTANCE_LABEL
+from ember_runtime.contract.cache import INSTANCE_LABEL
 from ember_runtime.gateway import routes as routing
 from ember_runtime.gateway.fleet import Fleet
 from ember_runtime.gateway.metrics import GatewayMetrics

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ember_runtime.config import REASON_CRITICAL, REASON_THROTTLED
+from ember_runtime.contract.thermal import REASON_CRITICAL, REASON_THROTTLED
 
 VIRTUAL_NODES = 64
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ember_runtime.config import INSTANCE_LABEL
+from ember_runtime.contract.cache import INSTANCE_LABEL
 
 
 @dataclass(frozen=True, slots=True)
