@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class EngineError(Exception):
@@ -153,9 +153,20 @@ StepObserver = Callable[[StepStats], None]
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call the assistant made; `arguments` is JSON text, as OpenAI sends it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
-    role: str
+    role: str  # system, user, assistant or tool
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
 
 @dataclass(slots=True)
@@ -181,8 +192,11 @@ class Engine(Protocol):
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
-        """Apply the model's own chat template, ending with the assistant's turn opened."""
+    def render_chat(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """Apply the model's own chat template, ending with the assistant's turn opened.
+        `tools` are OpenAI's tool objects, for the template to describe to the model."""
 
     def submit(self, prompt: list[int], params: SamplingParams) -> GenerationStream:
         """Queue a request; raises QueueFullError or EngineStoppingError at once."""

@@ -92,6 +92,7 @@ from ember_runtime.engines.scheduler import (
     split_active,
 )
 from ember_runtime.engines.text import TextAssembler
+from ember_runtime.engines.tools import builtin_messages, tools_in_messages
 from ember_runtime.memory import DEFAULT_STEP_TOKENS, unified_kv
 
 log = logging.getLogger(__name__)
@@ -550,14 +551,20 @@ class LlamaCppEngine:
             n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, -n, add_special, True)
         return list(buf[:n])
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
+    def render_chat(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         """The GGUF's Jinja template when it has one, else llama.cpp's built-in template for the
-        model's architecture (also from GGUF metadata). The text starts with the BOS marker, so
-        tokenize it with add_special=False."""
+        model's architecture (also from GGUF metadata). Tools and tool turns go to a template
+        that knows tools; otherwise they are rewritten in Ember's built-in format first. The
+        text starts with the BOS marker, so tokenize it with add_special=False."""
+        template = self._chat_template
+        if tools_in_messages(messages, tools) and not (template and "tool" in template):
+            messages, tools = builtin_messages(messages, tools), None
         bos = self._special_text(self._ll.llama_vocab_bos(self._vocab))
-        if self._chat_template is not None:
+        if template is not None:
             eos = self._special_text(self._ll.llama_vocab_eos(self._vocab))
-            return render_template(self._chat_template, messages, bos_token=bos, eos_token=eos)
+            return render_template(template, messages, bos_token=bos, eos_token=eos, tools=tools)
         if self._builtin_template is None:
             raise ValueError("the model has no chat template and no built-in one is known")
         return bos + self._apply_builtin(self._builtin_template, messages)
