@@ -151,7 +151,7 @@ class ToolCallIn(_Request):
 
 class ChatMessageIn(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None  # None only for an assistant's calls
+    content: str | list[TextPart] | None = None  # None only for an assistant's calls
     name: str | None = None  # accepted; chat templates here have no place for it
     tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool result: the call it answers
