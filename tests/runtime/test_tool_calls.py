@@ -14,12 +14,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from ember_runtime.engines import tools as fmt
 from ember_runtime.engines.base import ChatMessage, ToolCall
 from ember_runtime.engines.chat import render_template
-from ember_runtime.engines.llamacpp import LlamaCppEngine
+from ember_runtime.engines.llamacpp import LlamaCppEngine, _Grammar
 from openai import AsyncOpenAI
 
 from tests.runtime.conftest import LiveServer
@@ -67,7 +68,7 @@ async def ask(client: AsyncOpenAI, **extra: Any) -> Any:
     return await client.chat.completions.create(model=MODEL, temperature=0, **args)
 
 
-def check_call(call: Any, names: set[str] = set(SCHEMAS)) -> dict[str, Any]:
+def check_call(call: Any, names: frozenset[str] = frozenset(SCHEMAS)) -> dict[str, Any]:
     """A call in OpenAI's shape whose arguments parse and validate; the arguments."""
     assert call.type == "function"
     assert call.id.startswith("call_")
@@ -158,7 +159,8 @@ def test_template_path_passes_tools_calls_and_results_as_jinja_templates_expect(
     assert "<tool_response>\nrain\n</tool_response>" in text
     assert text.endswith("<|im_start|>assistant")
     # What such a model answers is read back by the same parser
-    reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    reply = fmt.format_call("get_weather", '{"city": "Oslo", "unit": "celsius"}')
+    assert reply.startswith("<tool_call>\n{") and reply.endswith("}\n</tool_call>")
     assert fmt.parse(reply, set(SCHEMAS))[1][0][0] == "get_weather"
 
 
@@ -231,12 +233,12 @@ async def test_forced_call_parses_and_validates(server: LiveServer, choice: Any)
     assert only.finish_reason == "tool_calls"
     assert only.message.content is None
     (call,) = only.message.tool_calls
-    check_call(call, {"get_time"} if choice == NAMED else set(SCHEMAS))
+    check_call(call, frozenset({"get_time"}) if choice == NAMED else frozenset(SCHEMAS))
 
 
 @pytest.mark.parametrize("choice", ["required", NAMED])
 async def test_streamed_call_deltas_have_openais_shape(server: LiveServer, choice: Any) -> None:
-    names = {"get_time"} if choice == NAMED else set(SCHEMAS)
+    names = frozenset({"get_time"}) if choice == NAMED else frozenset(SCHEMAS)
     async with api(server) as client:
         chunks = [
             c
@@ -383,3 +385,41 @@ async def test_bad_tools_are_400_naming_the_field(
         with pytest.raises(openai.BadRequestError) as info:
             await ask(client, **extra)
     assert info.value.param == param, info.value.body
+
+
+def test_free_text_fast_path_allows_exactly_what_the_full_check_allows(
+    server: LiveServer,
+) -> None:
+    """Under auto the engine checks only the tokens that could start a call while the text is
+    free (engines/llamacpp.py, _Grammar); step by step it must allow what the full check does."""
+    engine = server.state.engine
+    assert isinstance(engine, LlamaCppEngine)
+    text = "Wetter in Köln: 7 °C, <b>nass</b> 🌧 <tool_call>\n" + TIME_CALL[len("<tool_call>\n") :]
+    grammar = _grammar(parallel=False, free_text=True)
+    full = _Grammar(engine._ll, engine._vocab, engine._n_vocab, grammar)
+    fast = _Grammar(
+        engine._ll,
+        engine._vocab,
+        engine._n_vocab,
+        grammar,
+        free_until=fmt.OPEN.encode(),
+        risky=engine._risky_tokens,
+        piece=lambda t: engine._token_bytes(t, special=True),
+    )
+    row = np.zeros(engine._n_vocab, np.float32)
+    free_steps = 0
+    try:
+        for tok in engine.tokenize(text, add_special=False):
+            free_steps += fast._free()
+            allowed = np.isfinite(full.mask(row))
+            quick = np.isfinite(fast.mask(row))
+            diff = np.nonzero(allowed != quick)[0][:8]
+            pieces = [engine._token_bytes(int(d), special=True) for d in diff]
+            assert not len(diff), (tok, pieces)
+            assert allowed[tok]
+            full.accept(tok)
+            fast.accept(tok)
+        assert 5 < free_steps < len(engine.tokenize(text, add_special=False))
+    finally:
+        full.free()
+        fast.free()

@@ -64,6 +64,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's plus the top k
     grammar: str | None = None  # GBNF (root rule "root") that every generated token must fit
+    # The grammar admits any text until this marker (tool_choice auto): until it appears, only
+    # tokens that could start it need the grammar's check (a speed-up; same tokens allowed).
+    grammar_free_until: str = ""
     top_k: int = 0  # <= 0: off
     min_p: float = 0.0
     typical_p: float = 1.0

@@ -139,6 +139,8 @@ async def chat_completions(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         grammar=_grammar(body, state, tools),
     )
+    if tools is not None:
+        params = replace(params, grammar_free_until=tools.free_until)
     choices = _times_n([_Choice(tokens, params)], body.n)
     return await _respond(body, choices, request, state, tools)
 

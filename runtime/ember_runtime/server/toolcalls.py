@@ -40,6 +40,11 @@ class ToolPlan:
     def offered(self) -> list[fmt.Function]:
         return [f for f in self.functions if self.named in (None, f.name)]
 
+    @property
+    def free_until(self) -> str:
+        """Where the grammar's free text ends (SamplingParams.grammar_free_until)."""
+        return fmt.OPEN if self.mode == "auto" else ""
+
     def tool_objects(self) -> list[dict[str, Any]]:
         return [f.as_tool() for f in self.offered]
 
