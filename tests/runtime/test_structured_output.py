@@ -62,6 +62,16 @@ class Reading(BaseModel):
 SCHEMA = to_strict_json_schema(Reading)
 
 
+class Brief(BaseModel):
+    """Smaller, for LangChain's function calling: the tool's description goes in the prompt,
+    and the test server's context is 512 tokens."""
+
+    city: Short
+    unit: Unit
+    temperatures: Annotated[list[float], Field(max_length=2)]
+    note: Short | None = None
+
+
 def test_the_strict_schema_is_what_the_grammar_is_given() -> None:
     """What `parse` sends: every property required, no others, optional ones nullable."""
     assert SCHEMA["additionalProperties"] is False
@@ -154,8 +164,8 @@ def test_langchain_with_structured_output(
         api_key=SecretStr("unused"),
         model=MODEL,
         temperature=0,
-        max_completion_tokens=110,  # the tool description takes most of the 512-token context
+        max_completion_tokens=200,
     )
-    out = llm.with_structured_output(Reading, method=method, strict=True).invoke(ASK[0]["content"])
-    assert isinstance(out, Reading)
-    jsonschema.validate(out.model_dump(mode="json"), SCHEMA)
+    out = llm.with_structured_output(Brief, method=method, strict=True).invoke(ASK[0]["content"])
+    assert isinstance(out, Brief)
+    jsonschema.validate(out.model_dump(mode="json"), to_strict_json_schema(Brief))

@@ -8,7 +8,9 @@ about structure: every call the grammar constrains parses and validates against 
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,9 +20,11 @@ import numpy as np
 import openai
 import pytest
 from ember_runtime.engines import tools as fmt
-from ember_runtime.engines.base import ChatMessage, ToolCall
+from ember_runtime.engines.base import ChatMessage, Delta, ToolCall
 from ember_runtime.engines.chat import render_template
 from ember_runtime.engines.llamacpp import LlamaCppEngine, _Grammar
+from ember_runtime.server.toolcalls import ToolPlan, reply
+from ember_runtime.server.toolstream import ToolSSEFramer
 from openai import AsyncOpenAI
 
 from tests.runtime.conftest import LiveServer
@@ -30,7 +34,7 @@ MODEL = "gemma-3-270m"
 WEATHER: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "city": {"type": "string"},
+        "city": {"type": "string", "maxLength": 32},  # a base model may write on and on
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
         "days": {"type": "integer"},
     },
@@ -39,7 +43,7 @@ WEATHER: dict[str, Any] = {
 }
 TIME: dict[str, Any] = {
     "type": "object",
-    "properties": {"zone": {"type": "string"}},
+    "properties": {"zone": {"type": "string", "maxLength": 32}},
     "required": ["zone"],
     "additionalProperties": False,
 }
@@ -423,3 +427,62 @@ def test_free_text_fast_path_allows_exactly_what_the_full_check_allows(
     finally:
         full.free()
         fast.free()
+
+
+# --- streaming: the same reply whatever the chunking -----------------------------------------
+
+
+def _stream(text: str, cuts: list[int], finish: str, plan: ToolPlan) -> list[str]:
+    framer = ToolSSEFramer(plan, model=MODEL, include_usage=False)
+    pieces = [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
+    out = [framer.delta(Delta(p, 1)) or "" for p in pieces]
+    return "".join([*out, framer.finish(finish)]).split("\n\n")
+
+
+def _assemble(events: list[str]) -> tuple[str, list[tuple[str, str, str]], str]:
+    """What a client makes of the chunks: content, calls (id, name, arguments), finish."""
+    content, calls, finish = "", {}, ""
+    for event in filter(None, events):
+        choice = json.loads(event.removeprefix("data: "))["choices"][0]
+        delta, finish = choice["delta"], choice["finish_reason"] or finish
+        content += delta.get("content") or ""
+        for tc in delta.get("tool_calls", []):
+            if "id" in tc:  # the first delta of a call, with its name and empty arguments
+                assert tc["index"] not in calls and tc["function"]["arguments"] == ""
+                calls[tc["index"]] = [tc["id"], tc["function"]["name"], ""]
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+            calls[tc["index"]][2] += tc["function"]["arguments"]
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+STREAMED = [
+    ("It is sunny. <b>Really</b> <tool", "stop"),
+    ("Checking.\n" + WEATHER_CALL + "\n" + TIME_CALL, "stop"),
+    (fmt.format_call("get_time", '{"zone": "}{\\"]"}'), "stop"),  # brackets inside a string
+    ('{"name": "get_time", "parameters": {"zone": "UTC"}}', "stop"),  # Llama 3.x, whole reply
+    ('<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"A\\"}"}</tool_call>', "stop"),
+    ("Sure " + TIME_CALL[: TIME_CALL.index("TC")], "length"),  # cut short by max_tokens
+]
+
+
+@pytest.mark.parametrize(("text", "finish"), STREAMED)
+def test_streamed_reply_is_the_same_reply_however_it_is_chunked(text: str, finish: str) -> None:
+    plan = ToolPlan([fmt.Function(n, s) for n, s in SCHEMAS.items()], "auto", parallel=True)
+    message, reason = reply(text, finish, plan)
+    want_calls = [
+        (c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []
+    ]
+    rng = random.Random(7)
+    chunkings = [[], list(range(1, len(text)))] + [
+        sorted(rng.sample(range(1, len(text)), k)) for k in (3, 9, 27) for _ in range(4)
+    ]
+    for cuts in chunkings:
+        content, calls, got_reason = _assemble(_stream(text, cuts, finish, plan))
+        assert got_reason == reason
+        assert all(ident.startswith("call_") for ident, _, _ in calls)
+        if finish == "length":  # a call cut short: its start is out already (text when whole)
+            assert (content, [c[1:] for c in calls]) == ("Sure ", [("get_time", '{"zone": "U')])
+            continue
+        assert [(name, json.loads(args)) for _, name, args in calls] == want_calls, cuts
+        assert content.strip() == (message.content or "").strip(), cuts

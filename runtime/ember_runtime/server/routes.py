@@ -41,6 +41,7 @@ from ember_runtime.server.schemas import (
     ModelList,
 )
 from ember_runtime.server.state import AppState, get_state, require_api_key
+from ember_runtime.server.toolstream import ToolSSEFramer
 
 api = APIRouter(dependencies=[Depends(require_api_key)])
 probes = APIRouter()
@@ -428,7 +429,7 @@ def _framer(
         "ident": ident,
     }
     if tools is not None:
-        return toolcalls.ToolSSEFramer(tools, **common)
+        return ToolSSEFramer(tools, **common)
     return SSEFramer(chat=chat, logprobs=choice.params.logprobs, echo=choice.echo, **common)
 
 

@@ -7,7 +7,6 @@ OpenAI side of it.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +14,6 @@ from typing import Any
 from ember_runtime.engines import tools as fmt
 from ember_runtime.engines.base import ChatMessage, InvalidRequestError, ToolCall
 from ember_runtime.server.errors import APIError
-from ember_runtime.server.generation import SSEFramer
 from ember_runtime.server.schemas import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -56,7 +54,7 @@ class ToolPlan:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCallOut]]:
         content, calls = fmt.parse(text, {f.name for f in self.offered})
-        return content, [_call_out(name, arguments) for name, arguments in calls]
+        return content, [call_out(name, arguments) for name, arguments in calls]
 
 
 def plan(body: ChatCompletionRequest) -> ToolPlan | None:
@@ -111,7 +109,7 @@ def _message(i: int, m: ChatMessageIn) -> ChatMessage:
     return ChatMessage(role, m.text(), tool_calls=calls, tool_call_id=m.tool_call_id)
 
 
-def _call_out(name: str, arguments: str) -> ToolCallOut:
+def call_out(name: str, arguments: str) -> ToolCallOut:
     return ToolCallOut(
         id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCallOut(name=name, arguments=arguments)
     )
@@ -126,79 +124,3 @@ def reply(
         return ChatMessageOut(content=text), finish_reason
     reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return ChatMessageOut(content=content, tool_calls=calls), reason
-
-
-class ToolSSEFramer(SSEFramer):
-    """Chat chunks for a request with tools: text streams as content until a call starts;
-    each call is sent when its block closes, as OpenAI's tool-call deltas (one with the id
-    and name and empty arguments, then the arguments), so clients assemble it as usual."""
-
-    def __init__(self, tools: ToolPlan, **kwargs: Any) -> None:
-        super().__init__(chat=True, **kwargs)
-        self._tools = tools
-        self._pending = ""  # text not yet sent: a call in progress, or maybe one starting
-        self._calls = 0
-
-    def delta(self, delta: Any) -> str | None:
-        self._pending += delta.text
-        out = self._drain()
-        return out or None
-
-    def _drain(self) -> str:
-        out = []
-        while True:
-            start = self._pending.find(fmt.OPEN)
-            if start < 0:
-                keep = self._held(self._pending)
-                out.append(self._content(self._pending[: len(self._pending) - keep]))
-                self._pending = self._pending[len(self._pending) - keep :]
-                return "".join(out)
-            end = self._pending.find(fmt.CLOSE, start)
-            if end < 0:
-                out.append(self._content(self._pending[:start]))
-                self._pending = self._pending[start:]
-                return "".join(out)
-            end += len(fmt.CLOSE)
-            content, calls = self._tools.parse(self._pending[:end])
-            out += [self._content(content or ""), *map(self._call, calls)]
-            self._pending = self._pending[end:]
-
-    def _held(self, text: str) -> int:
-        """How much of the text's end to hold back: a possible start of `<tool_call>`, or all
-        of a reply that may be one bare JSON call (recognised only whole)."""
-        if (self._calls == 0 and text.lstrip().startswith("{")) or not text.strip():
-            return len(text)
-        for n in range(min(len(fmt.OPEN) - 1, len(text)), 0, -1):
-            if fmt.OPEN.startswith(text[-n:]):
-                return n
-        return 0
-
-    def _content(self, text: str) -> str:
-        return self.text(text) if text else ""
-
-    def _call(self, call: ToolCallOut) -> str:
-        index = self._calls
-        self._calls += 1
-        head = {
-            "index": index,
-            "id": call.id,
-            "type": "function",
-            "function": {"name": call.function.name, "arguments": ""},
-        }
-        rest = {"index": index, "function": {"arguments": call.function.arguments}}
-        return self._tool_chunk(head) + self._tool_chunk(rest)
-
-    def _tool_chunk(self, call: dict[str, Any]) -> str:
-        delta = json.dumps({"tool_calls": [call]}, ensure_ascii=False)
-        return f'{self._head}"delta":{delta},"logprobs":null,"finish_reason":null}}]}}\n\n'
-
-    def finish(self, reason: str) -> str:
-        """The rest of the text (a whole-reply call, or content), then the finish."""
-        content, calls = self._tools.parse(self._pending) if self._calls == 0 else (None, [])
-        if not calls:
-            content = self._pending.strip() if self._calls else self._pending
-        self._pending = ""
-        rest = self._content(content or "") + "".join(map(self._call, calls))
-        if self._calls and reason == "stop":
-            reason = "tool_calls"
-        return rest + super().finish(reason)
