@@ -268,9 +268,11 @@ async def test_streamed_call_deltas_have_openais_shape(server: LiveServer, choic
     assert rest and all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assembled = "".join(d.function.arguments for d in rest)
+    jsonschema.validate(json.loads(assembled), SCHEMAS[first.function.name])
+    # The helper's call is another request's: greedy output may differ with the batch it
+    # shared (README: engine.deterministic), so it is checked on its own.
     (call,) = final.choices[0].message.tool_calls or []
     assert final.choices[0].finish_reason == "tool_calls"
-    assert (call.function.name, call.function.arguments) == (first.function.name, assembled)
     check_call(call, names)
 
 
