@@ -112,6 +112,13 @@ def parse(text: str, names: set[str]) -> tuple[str | None, list[tuple[str, str]]
     return content or None, calls
 
 
+def drop_cut_call(text: str) -> str:
+    """The text without a last call block left open (a reply cut short by max_tokens): it is
+    markup of a call that did not happen, not content."""
+    start = text.rfind(OPEN)
+    return text[:start] if start >= 0 and CLOSE not in text[start:] else text
+
+
 def _call(body: str, names: set[str]) -> tuple[str, str] | None:
     try:
         obj = json.loads(body)

@@ -118,7 +118,10 @@ def call_out(name: str, arguments: str) -> ToolCallOut:
 def reply(
     text: str, finish_reason: str | None, tools: ToolPlan
 ) -> tuple[ChatMessageOut, str | None]:
-    """The assistant message and finish reason for a finished reply's text."""
+    """The assistant message and finish reason for a finished reply's text (a call cut short
+    by max_tokens is dropped: only its start exists)."""
+    if finish_reason == "length":
+        text = fmt.drop_cut_call(text)
     content, calls = tools.parse(text)
     if not calls:
         return ChatMessageOut(content=text), finish_reason

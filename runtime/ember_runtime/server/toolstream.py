@@ -140,6 +140,8 @@ class ToolSSEFramer(SSEFramer):
         if streaming_call:  # a call cut short (or left unclosed): its pieces are already out
             self._calls += 1
         else:
+            if reason == "length":
+                self._pending = fmt.drop_cut_call(self._pending)
             content, calls = self._tools.parse(self._pending) if not self._calls else (None, [])
             if not calls:
                 content = self._pending.strip() if self._calls else self._pending
