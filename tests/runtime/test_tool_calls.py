@@ -490,3 +490,33 @@ def test_streamed_reply_is_the_same_reply_however_it_is_chunked(text: str, finis
         complete = calls[: len(want_calls)]
         assert [(name, json.loads(args)) for _, name, args in complete] == want_calls, cuts
         assert content.strip() == (message.content or "").strip(), cuts
+
+
+def test_the_engine_picks_the_models_template_when_it_knows_tools(server: LiveServer) -> None:
+    """The GGUF's template gets `tools` when it knows them; one that does not (or no template,
+    as here) gets the conversation in the built-in format."""
+    engine = server.state.engine
+    assert isinstance(engine, LlamaCppEngine)
+    call = ToolCall("c1", "get_time", '{"zone": "UTC"}')
+    messages = [
+        ChatMessage("user", "Time?"),
+        ChatMessage("assistant", "", tool_calls=(call,)),
+        ChatMessage("tool", "12:00", tool_call_id="c1"),
+    ]
+    plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+    saved = engine._chat_template
+    try:
+        engine._chat_template = QWEN_STYLE
+        with_tools = engine.render_chat(messages, TOOLS)
+        engine._chat_template = plain
+        without = engine.render_chat(messages, TOOLS)
+    finally:
+        engine._chat_template = saved
+    builtin = engine.render_chat(messages, TOOLS)
+    assert with_tools == render_template(
+        QWEN_STYLE, messages, bos_token="<bos>", eos_token="<eos>", tools=TOOLS
+    )
+    assert without.startswith("<system>You may call") and "<user><tool_response>" in without
+    assert "<start_of_turn>user\nYou may call" in builtin  # llama.cpp's gemma turns
+    assert fmt.format_call("get_time", '{"zone": "UTC"}') in builtin
+    assert "<tool_response>\n12:00\n</tool_response>" in builtin

@@ -144,7 +144,7 @@ def grammar(functions: list[Function], *, parallel: bool, free_text: bool) -> st
     converter = new_converter()
     alternatives = []
     for i, f in enumerate(functions):
-        param = f"tools.{i}.function.parameters"
+        param = f"tools: function {f.name}'s parameters"  # the message; the 400 names `tools`
         args = visit_schema(converter, f.parameters, f"fn{i}-args", strict=f.strict, param=param)
         head = converter._format_literal(f'{{"name": {json.dumps(f.name)}, "arguments": ')
         alternatives.append(converter._add_rule(f"fn{i}-call", f'{head} {args} "}}"'))
