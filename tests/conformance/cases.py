@@ -254,6 +254,7 @@ def openai_tools_required_stream(base_url: str, model: str) -> None:
         messages=_user(WEATHER_PROMPT),
         tools=tools,
         tool_choice="required",
+        parallel_tool_calls=False,  # OpenAI's default (true) lets a base model call again
         max_tokens=64,
         stream=True,
     )
@@ -261,7 +262,7 @@ def openai_tools_required_stream(base_url: str, model: str) -> None:
     for chunk in stream:
         for choice in chunk.choices:
             for delta in choice.delta.tool_calls or []:
-                assert delta.index == 0, delta  # one call: `required` asks for at least one
+                assert delta.index == 0, delta  # one call, as parallel_tool_calls=False asks
                 if delta.function is not None:
                     name += delta.function.name or ""
                     arguments += delta.function.arguments or ""

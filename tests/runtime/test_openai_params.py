@@ -192,7 +192,11 @@ async def test_labels_pass(server: LiveServer) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        # tools are served (test_tool_calls.py); a malformed one is refused by name
+        (
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools.0.function.name",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         # llama-server's samplers that are not implemented here (docs/sampling.md)

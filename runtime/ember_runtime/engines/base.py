@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -67,6 +67,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's plus the top k
     grammar: str | None = None  # GBNF (root rule "root") that every generated token must fit
+    # The grammar admits any text until this marker (tool_choice auto): until it appears, only
+    # tokens that could start it need the grammar's check (a speed-up; same tokens allowed).
+    grammar_free_until: str = ""
     top_k: int = 0  # <= 0: off
     min_p: float = 0.0
     typical_p: float = 1.0
@@ -156,9 +159,20 @@ StepObserver = Callable[[StepStats], None]
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call the assistant made; `arguments` is JSON text, as OpenAI sends it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
-    role: str
+    role: str  # system, user, assistant or tool
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
 
 @dataclass(slots=True)
@@ -187,8 +201,11 @@ class Engine(Protocol):
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
-        """Apply the model's own chat template, ending with the assistant's turn opened."""
+    def render_chat(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """Apply the model's own chat template, ending with the assistant's turn opened.
+        `tools` are OpenAI's tool objects, for the template to describe to the model."""
 
     def submit(self, prompt: list[int], params: SamplingParams) -> GenerationStream:
         """Queue a request; raises QueueFullError or EngineStoppingError at once."""

@@ -268,7 +268,9 @@ class LlamaCppEmbedder:
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         return tokenize(self._ll, self._vocab, text, add_special=add_special)
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
+    def render_chat(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         raise InvalidRequestError(_NOT_GENERATING, param="model")
 
     def submit(self, prompt: list[int], params: SamplingParams) -> GenerationStream:

@@ -53,11 +53,12 @@ import asyncio
 import collections
 import concurrent.futures
 import ctypes
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,7 @@ from ember_runtime.engines.scheduler import (
     split_active,
 )
 from ember_runtime.engines.text import TextAssembler
+from ember_runtime.engines.tools import OPEN, builtin_messages, tools_in_messages
 from ember_runtime.memory import DEFAULT_STEP_TOKENS, unified_kv
 
 log = logging.getLogger(__name__)
@@ -204,11 +206,27 @@ class _Grammar:
     The row goes into a `llama_token_data` array the size of the vocabulary (ids laid out
     once); llama.cpp sets the logit of every token the grammar forbids to -inf. Applied before
     any filter, so a top_k or top_p prefilter never drops a token the grammar allows.
+
+    With `free_until` (a grammar that admits any text until that marker), checking the whole
+    vocabulary every step would cost most of a step for nothing: until the marker appears,
+    while no partial marker or UTF-8 sequence is open, only the `risky` tokens (those holding
+    the marker's first character, or not UTF-8 on their own) can be refused, so only they are
+    checked. Every other token is one the full check would allow too.
     """
 
-    __slots__ = ("_arr", "_data", "_ll", "_smpl")
+    __slots__ = ("_arr", "_data", "_ll", "_piece", "_risky", "_smpl", "_sub", "_tail", "_until")
 
-    def __init__(self, ll: Any, vocab: Any, n_vocab: int, text: str) -> None:
+    def __init__(
+        self,
+        ll: Any,
+        vocab: Any,
+        n_vocab: int,
+        text: str,
+        *,
+        free_until: bytes = b"",
+        risky: Callable[[bytes], np.ndarray] | None = None,
+        piece: Callable[[int], bytes] | None = None,
+    ) -> None:
         smpl = ll.llama_sampler_init_grammar(vocab, text.encode(), b"root")
         if not smpl:
             raise InvalidRequestError(
@@ -218,24 +236,73 @@ class _Grammar:
         self._ll, self._smpl = ll, smpl
         self._data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         self._data["id"] = np.arange(n_vocab, dtype=np.int32)
-        self._arr = ll.llama_token_data_array(
-            data=self._data.ctypes.data_as(ll.llama_token_data_p), size=n_vocab, selected=-1
+        self._arr = self._array(self._data)
+        lazy = bool(free_until) and risky is not None and piece is not None
+        self._until, self._tail = free_until, (b"" if lazy else None)
+        self._risky, self._piece = risky, piece
+        self._sub: tuple[np.ndarray, Any] | None = None
+
+    def _array(self, data: np.ndarray) -> Any:
+        ll = self._ll
+        return ll.llama_token_data_array(
+            data=data.ctypes.data_as(ll.llama_token_data_p), size=len(data), selected=-1
         )
 
     def mask(self, row: np.ndarray) -> np.ndarray:
+        if self._free():
+            return self._mask_risky(row)
         self._data["logit"] = row
-        self._arr.size, self._arr.selected, self._arr.sorted = len(self._data), -1, False
-        self._ll.llama_sampler_apply(self._smpl, ctypes.byref(self._arr))
+        self._apply(self._data, self._arr)
         out: np.ndarray = self._data["logit"].copy()
         return out
 
+    def _apply(self, data: np.ndarray, arr: Any) -> None:
+        arr.size, arr.selected, arr.sorted = len(data), -1, False
+        self._ll.llama_sampler_apply(self._smpl, ctypes.byref(arr))
+
+    def _mask_risky(self, row: np.ndarray) -> np.ndarray:
+        if self._sub is None:
+            assert self._risky is not None
+            ids = self._risky(self._until[:1])
+            sub = np.zeros(len(ids), dtype=_TOKEN_DATA)
+            sub["id"] = ids
+            self._sub = (sub, self._array(sub))
+        sub, arr = self._sub
+        sub["logit"] = row[sub["id"]]
+        self._apply(sub, arr)
+        out = row.copy()
+        out[sub["id"]] = sub["logit"]
+        return out
+
+    def _free(self) -> bool:
+        """Whether the text so far leaves the grammar in its free state (see above)."""
+        tail = self._tail
+        if tail is None or not _utf8_whole(tail):
+            return False
+        return not any(self._until.startswith(tail[-n:]) for n in range(1, len(tail) + 1))
+
     def accept(self, tok: int) -> None:
         self._ll.llama_sampler_accept(self._smpl, tok)
+        if self._tail is not None:
+            assert self._piece is not None
+            tail = self._tail + self._piece(tok)
+            keep = len(self._until) - 1
+            self._tail = None if self._until in tail else tail[max(0, len(tail) - keep) :]
 
     def free(self) -> None:
         if self._smpl:
             self._ll.llama_sampler_free(self._smpl)
             self._smpl = None
+
+
+def _utf8_whole(text: bytes) -> bool:
+    """Whether `text` does not end inside a UTF-8 sequence."""
+    for back in range(1, min(4, len(text)) + 1):
+        byte = text[-back]
+        if byte & 0xC0 != 0x80:  # the last lead byte: is its sequence complete?
+            need = 1 if byte < 0x80 else 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return back >= need
+    return True
 
 
 # llama_token_data: {int32 id; float logit; float p}
@@ -347,6 +414,7 @@ class LlamaCppEngine:
         self._last_step_sequences = 0
         self._steps = 0
         self._pieces: dict[int, bytes] = {}
+        self._risky: dict[bytes, np.ndarray] = {}  # _risky_tokens, by the marker's first byte
         self._eog: dict[int, bool] = {}
         self._ll: Any = None
         self._model: Any = None
@@ -435,6 +503,9 @@ class LlamaCppEngine:
             deterministic=self._deterministic,
         )
         self._warm_up()
+        started = time.perf_counter()
+        self._risky_tokens(OPEN[:1].encode())  # here, not in a decode step that others wait on
+        log.info("vocabulary scanned for tool calls in %.2f s", time.perf_counter() - started)
         if self._deterministic:
             rows = self._probe_rows(min(self._capacity, _PROBE_MAX_ROWS))
             self._policy = Policy(
@@ -565,14 +636,20 @@ class LlamaCppEngine:
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         return tokenize(self._ll, self._vocab, text, add_special=add_special)
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
+    def render_chat(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         """The GGUF's Jinja template when it has one, else llama.cpp's built-in template for the
-        model's architecture (also from GGUF metadata). The text starts with the BOS marker, so
-        tokenize it with add_special=False."""
+        model's architecture (also from GGUF metadata). Tools and tool turns go to a template
+        that knows tools; otherwise they are rewritten in Ember's built-in format first. The
+        text starts with the BOS marker, so tokenize it with add_special=False."""
+        template = self._chat_template
+        if tools_in_messages(messages, tools) and not (template and "tool" in template):
+            messages, tools = builtin_messages(messages, tools), None
         bos = self._special_text(self._ll.llama_vocab_bos(self._vocab))
-        if self._chat_template is not None:
+        if template is not None:
             eos = self._special_text(self._ll.llama_vocab_eos(self._vocab))
-            return render_template(self._chat_template, messages, bos_token=bos, eos_token=eos)
+            return render_template(template, messages, bos_token=bos, eos_token=eos, tools=tools)
         if self._builtin_template is None:
             raise ValueError("the model has no chat template and no built-in one is known")
         return bos + self._apply_builtin(self._builtin_template, messages)
@@ -818,12 +895,40 @@ class LlamaCppEngine:
         """The numpy sampler for a request, with llama.cpp's grammar as its mask (if any)."""
         grammar = None
         if params.grammar is not None:
-            grammar = _Grammar(self._ll, self._vocab, self._n_vocab, params.grammar)
+            grammar = _Grammar(
+                self._ll,
+                self._vocab,
+                self._n_vocab,
+                params.grammar,
+                free_until=params.grammar_free_until.encode(),
+                risky=self._risky_tokens,
+                piece=functools.partial(self._token_bytes, special=True),
+            )
         eog = self._eog_tokens() if params.ignore_eos else ()
         row = sampling.RowSampler(
             params, prompt, eog_tokens=eog, grammar=grammar.mask if grammar else None
         )
         return row, grammar
+
+    def _risky_tokens(self, first: bytes) -> np.ndarray:
+        """Tokens a free-text grammar may refuse: those holding `first` (as the grammar sees
+        them, special text included) or not UTF-8 on their own (see _Grammar). Decode thread."""
+        ids = self._risky.get(first)
+        if ids is None:
+            ids = np.fromiter(
+                (t for t, p in enumerate(self._all_pieces()) if first in p or not _utf8_ok(p)),
+                np.int32,
+            )
+            self._risky[first] = ids
+        return ids
+
+    def _all_pieces(self) -> Iterator[bytes]:
+        """Every token's text as the grammar sampler sees it (special tokens as text)."""
+        buf = ctypes.create_string_buffer(256)
+        to_piece, vocab = self._ll.llama_token_to_piece, self._vocab
+        for tok in range(self._n_vocab):
+            n = to_piece(vocab, tok, buf, 256, 0, True)
+            yield buf.raw[:n] if 0 <= n <= 256 else self._token_bytes(tok, special=True)
 
     def _eog_tokens(self) -> tuple[int, ...]:
         """Every end-of-generation token (what `ignore_eos` bans, as llama-server does)."""
@@ -1061,6 +1166,14 @@ def _sampler_pool(
     if wanted <= 1:
         return None
     return concurrent.futures.ThreadPoolExecutor(wanted, thread_name_prefix="ember-sample")
+
+
+def _utf8_ok(piece: bytes) -> bool:
+    try:
+        piece.decode()
+    except UnicodeDecodeError:
+        return False
+    return piece[:1] not in (b"", b"\0")  # llama.cpp's grammar refuses these outright
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -34,7 +34,9 @@ from ember_runtime.engines.base import (
     QueueFullError,
     SamplingParams,
 )
+from ember_runtime.engines.chat import template_message
 from ember_runtime.engines.text import TextAssembler
+from ember_runtime.engines.tools import builtin_messages, tools_in_messages
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +177,16 @@ class TrtLlmEngine:
         ids: list[int] = self._llm.tokenizer.encode(text, add_special_tokens=add_special)
         return ids
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
-        rendered: str = self._llm.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
+    def render_chat(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        tokenizer = self._llm.tokenizer
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if tools_in_messages(messages, tools) and "tool" not in template:
+            messages, tools = builtin_messages(messages, tools), None
+        rendered: str = tokenizer.apply_chat_template(
+            [template_message(m) for m in messages],
+            **({"tools": tools} if tools else {}),
             tokenize=False,
             add_generation_prompt=True,
         )

@@ -12,12 +12,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember_runtime.engines.base import (
-    ChatMessage,
     FinishReason,
     GenerationStream,
     SamplingParams,
 )
-from ember_runtime.server import logprobs
+from ember_runtime.server import logprobs, toolcalls
 from ember_runtime.server.errors import APIError
 from ember_runtime.server.generation import (
     Generation,
@@ -42,6 +41,7 @@ from ember_runtime.server.schemas import (
     ModelList,
 )
 from ember_runtime.server.state import AppState, get_state, require_api_key
+from ember_runtime.server.toolstream import ToolSSEFramer
 
 api = APIRouter(dependencies=[Depends(require_api_key)])
 probes = APIRouter()
@@ -135,12 +135,10 @@ async def chat_completions(
         raise APIError(
             400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
         )
-    # "developer" is OpenAI's newer name for the system role; templates know "system".
-    messages = [
-        ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in body.messages
-    ]
+    tools = toolcalls.plan(body)
+    messages = toolcalls.chat_messages(body)
     try:
-        prompt = state.engine.render_chat(messages)
+        prompt = state.engine.render_chat(messages, tools.tool_objects() if tools else None)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages", code="chat_template") from exc
     tokens = state.engine.tokenize(prompt, add_special=False)
@@ -152,9 +150,12 @@ async def chat_completions(
         state,
         default_max=None,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        grammar=_grammar(body, state),
+        grammar=_grammar(body, state, tools),
     )
-    return await _respond(body, _times_n([_Choice(tokens, params)], body.n), request, state)
+    if tools is not None:
+        params = replace(params, grammar_free_until=tools.free_until)
+    choices = _times_n([_Choice(tokens, params)], body.n)
+    return await _respond(body, choices, request, state, tools)
 
 
 def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -168,8 +169,12 @@ def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
         )
 
 
-def _grammar(body: ChatCompletionRequest, state: AppState) -> str | None:
+def _grammar(
+    body: ChatCompletionRequest, state: AppState, tools: toolcalls.ToolPlan | None
+) -> str | None:
     fmt = body.response_format
+    if tools is not None:
+        return _tools_grammar(body, state, tools)
     if fmt is None or fmt.type == "text":
         return None
     _require(state, "grammar", "response_format")
@@ -180,7 +185,33 @@ def _grammar(body: ChatCompletionRequest, state: AppState) -> str | None:
         raise APIError(
             400, "response_format json_schema needs json_schema", param="response_format"
         )
-    return for_response_format(fmt.type, schema)
+    strict = fmt.json_schema is not None and bool(fmt.json_schema.strict)
+    return for_response_format(fmt.type, schema, strict=strict)
+
+
+def _tools_grammar(
+    body: ChatCompletionRequest, state: AppState, tools: toolcalls.ToolPlan
+) -> str | None:
+    """Calls constrained by their schemas; under `auto` only where the engine has grammars
+    (elsewhere the text is parsed as it comes)."""
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(
+            400,
+            "response_format cannot be combined with tools unless tool_choice is none",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    if body.stream and body.logprobs:
+        raise APIError(
+            400,
+            "streamed logprobs with tools are not supported",
+            param="logprobs",
+            code="unsupported",
+        )
+    if tools.mode == "auto" and "grammar" not in state.engine.info.features:
+        return None
+    _require(state, "grammar", "tool_choice")
+    return tools.grammar()
 
 
 def _require(state: AppState, feature: str, param: str) -> None:
@@ -365,6 +396,7 @@ async def _respond(
     choices: list[_Choice],
     request: Request,
     state: AppState,
+    tools: toolcalls.ToolPlan | None = None,
 ) -> Response:
     streams = _submit(choices, state)  # QueueFullError -> 429 right here
     gens = [Generation(s, state.metrics, state.request_timeout) for s in streams]
@@ -373,15 +405,7 @@ async def _respond(
         chat = isinstance(body, ChatCompletionRequest)
         ident = new_id("chatcmpl" if chat else "cmpl")
         framers = [
-            SSEFramer(
-                chat=chat,
-                model=model,
-                include_usage=body.include_usage,
-                logprobs=c.params.logprobs,
-                echo=c.echo,
-                index=i,
-                ident=ident,
-            )
+            _framer(c, i, chat=chat, model=model, ident=ident, body=body, tools=tools)
             for i, c in enumerate(choices)
         ]
         return StreamingResponse(
@@ -396,22 +420,46 @@ async def _respond(
         if outcome.finish_reason in (FinishReason.ERROR.value, FinishReason.CANCELLED.value):
             raise APIError(500, outcome.error or "generation was interrupted", code="engine_error")
     if isinstance(body, ChatCompletionRequest):
-        return _chat_reply(choices, outcomes, model, gens)
+        return _chat_reply(choices, outcomes, model, gens, tools)
     return _completion_reply(choices, outcomes, model, gens)
 
 
+def _framer(
+    choice: _Choice,
+    index: int,
+    *,
+    chat: bool,
+    model: str,
+    ident: str,
+    body: CompletionRequest | ChatCompletionRequest,
+    tools: toolcalls.ToolPlan | None,
+) -> SSEFramer:
+    common: dict[str, Any] = {
+        "model": model,
+        "include_usage": body.include_usage,
+        "index": index,
+        "ident": ident,
+    }
+    if tools is not None:
+        return ToolSSEFramer(tools, **common)
+    return SSEFramer(chat=chat, logprobs=choice.params.logprobs, echo=choice.echo, **common)
+
+
 def _chat_reply(
-    choices: list[_Choice], outcomes: list[Outcome], model: str, gens: list[Generation]
+    choices: list[_Choice],
+    outcomes: list[Outcome],
+    model: str,
+    gens: list[Generation],
+    tools: toolcalls.ToolPlan | None,
 ) -> JSONResponse:
-    out = [
-        ChatChoice(
-            index=i,
-            message=ChatMessageOut(content="".join(o.text)),
-            finish_reason=o.finish_reason,
-            logprobs=None if c.params.logprobs is None else logprobs.chat(o.logprobs),
-        )
-        for i, (c, o) in enumerate(zip(choices, outcomes, strict=True))
-    ]
+    out = []
+    for i, (c, o) in enumerate(zip(choices, outcomes, strict=True)):
+        text, reason = "".join(o.text), o.finish_reason
+        message = ChatMessageOut(content=text)
+        if tools is not None:
+            message, reason = toolcalls.reply(text, reason, tools)
+        lp = None if c.params.logprobs is None else logprobs.chat(o.logprobs)
+        out.append(ChatChoice(index=i, message=message, finish_reason=reason, logprobs=lp))
     reply = ChatCompletionResponse(
         id=new_id("chatcmpl"),
         created=int(time.time()),

@@ -2,7 +2,7 @@
 
 Requests are strict (a string where a number belongs is a 400, not a silent coercion), and no
 parameter is silently ignored: every OpenAI parameter is either implemented, or accepted only
-at a value that changes nothing (`UNSUPPORTED`: e.g. `tools` absent or empty), or answered with
+at a value that changes nothing (`UNSUPPORTED`: e.g. `functions` absent or empty), or answered with
 a 400 that names it; a field OpenAI does not define is a 400 too. `user`, `metadata`, `store`
 and `service_tier` pass: they label or route a request at OpenAI and change no output here.
 Streaming chunks are not modelled here: they are built from pre-serialised templates in
@@ -35,8 +35,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "samplers": (None,),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "audio": (None,),
@@ -83,7 +81,7 @@ class _Sampling(_Request):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI's default
     # Not implemented: refused by `unsupported()` unless harmless.
     mirostat: Any = None
     dry_multiplier: Any = None
@@ -140,22 +138,62 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Request):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Request):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant's calls
     name: str | None = None  # accepted; chat templates here have no place for it
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    refusal: str | None = None  # sent back by clients that replay a reply; changes nothing
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDef(_Request):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JSONSchemaFormat(_Request):
     name: str
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None  # the grammar enforces the schema either way
+    strict: bool | None = None  # also refuse keywords the grammar cannot enforce (grammar.py)
 
 
 class ResponseFormat(_Request):
@@ -169,8 +207,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -223,9 +261,21 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the reply is only tool calls
+    tool_calls: Annotated[list[ToolCallOut] | None, Field(exclude_if=lambda v: v is None)] = None
 
 
 class TopLogprobOut(BaseModel):
