@@ -18,7 +18,7 @@ import pytest
 from ember_operator import render
 from ember_operator.settings import OperatorSettings
 from ember_runtime.config import THERMAL_CONDITION, ThermalReading, thermal_condition
-from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, pod_status_path
+from ember_runtime.kube import ConditionPatcher, Endpoint, pod_status_path
 
 from tests.conftest import Kube
 from tests.thermal.kube_support import (

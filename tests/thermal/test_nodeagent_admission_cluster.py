@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from ember_runtime.config import THERMAL_CONDITION, ThermalReading, thermal_condition
-from ember_runtime.thermal.kube import ApiError, ConditionPatcher, Endpoint, node_status_path
+from ember_runtime.kube import ApiError, ConditionPatcher, Endpoint, node_status_path
 from kubernetes import client
 
 from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest

@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 import logging
 import re
-import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,6 +43,7 @@ from ember_runtime.config import (
     ModelFetch,
     fetch_from_spec,
 )
+from ember_runtime.kube import API_ERRORS, ApiError, KubeClient
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, failure_line
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
 from ember_runtime.nodeagent.labels import CacheLabels
@@ -52,64 +51,16 @@ from ember_runtime.nodeagent.metrics import ORIGIN, AgentMetrics
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.nodeagent.site import SiteSharing
 from ember_runtime.nodeagent.windows import Windows, until
-from ember_runtime.thermal.kube import ApiError, Endpoint
 
 log = logging.getLogger("ember_runtime.nodeagent.fetcher")
 
-WATCH_SECONDS = 300  # the API server ends a watch after this; the agent starts the next one
 MAX_MISMATCH_RETRY_SECONDS = 6 * 3600.0
 INFERENCE_DEPLOYMENTS = "/apis/ember.dev/v1alpha1/namespaces/{namespace}/inferencedeployments"
-API_ERRORS = (ApiError, httpx.HTTPError, ValueError, KeyError)
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain
 
 
 def _utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
-
-
-class KubeReader:
-    """GETs and watches with the agent's own token (re-read each time: the kubelet rotates it)."""
-
-    def __init__(self, endpoint: Endpoint, timeout: float = 10.0) -> None:
-        self._endpoint = endpoint
-        verify: ssl.SSLContext | bool = True
-        if endpoint.ca_file is not None:
-            verify = ssl.create_default_context(cafile=str(endpoint.ca_file))
-        timeout_cfg = httpx.Timeout(timeout, read=WATCH_SECONDS + 30)
-        self._http = httpx.AsyncClient(base_url=endpoint.server, verify=verify, timeout=timeout_cfg)
-
-    def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._endpoint.token_file.read_text().strip()}"}
-
-    async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]:
-        resp = await self._http.get(path, params=params, headers=self._auth())
-        if resp.status_code >= 300:
-            raise ApiError(resp.status_code, resp.text)
-        data: dict[str, Any] = resp.json()
-        return data
-
-    async def send(
-        self, method: str, path: str, body: dict[str, Any], content_type: str = "application/json"
-    ) -> dict[str, Any]:
-        """POST/PUT/PATCH one object; the API server's answer (the object as stored)."""
-        headers = {**self._auth(), "Content-Type": content_type}
-        resp = await self._http.request(method, path, content=json.dumps(body), headers=headers)
-        if resp.status_code >= 300:
-            raise ApiError(resp.status_code, resp.text)
-        data: dict[str, Any] = resp.json()
-        return data
-
-    async def watch(self, path: str, params: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
-        query = {**params, "watch": "true", "timeoutSeconds": str(WATCH_SECONDS)}
-        async with self._http.stream("GET", path, params=query, headers=self._auth()) as resp:
-            if resp.status_code >= 300:
-                raise ApiError(resp.status_code, (await resp.aread()).decode(errors="replace"))
-            async for line in resp.aiter_lines():
-                if line.strip():
-                    yield json.loads(line)
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
 
 
 @dataclass(frozen=True)
@@ -147,7 +98,7 @@ class Resolver(Protocol):
 class SpecResolver:
     """Reads what to fetch from the named InferenceDeployment's spec, in the pod's namespace."""
 
-    def __init__(self, reader: KubeReader) -> None:
+    def __init__(self, reader: KubeClient) -> None:
         self.reader = reader
 
     async def resolve(self, claim: Claim) -> ModelFetch | None:
@@ -180,7 +131,7 @@ class Fetcher:
     def __init__(
         self,
         cache: ContentCache,
-        reader: KubeReader,
+        reader: KubeClient,
         node: str,
         namespace: str,
         *,
@@ -432,7 +383,7 @@ class Fetcher:
                 version: str | None = listed["metadata"]["resourceVersion"]
                 while version is not None:
                     version = await self._watch_once(params, version)
-            except (ApiError, httpx.HTTPError, ValueError, KeyError) as err:
+            except API_ERRORS as err:
                 log.warning("watching pods on %s: %s; listing again in 5s", self.node, err)
                 await asyncio.sleep(5)
 

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from ember_runtime.config import RuntimeConfig
 from ember_runtime.engines.base import Engine, StepObserver
+from ember_runtime.kube import ConditionPatcher, Endpoint, pod_status_path
 from ember_runtime.sensors import TemperatureSource, build_source, telemetry_of
 from ember_runtime.server import admin, errors, routes
 from ember_runtime.server.metrics import Metrics
@@ -21,7 +22,6 @@ from ember_runtime.server.settings import read_api_key, resolve_model_path
 from ember_runtime.server.state import AppState
 from ember_runtime.thermal import control
 from ember_runtime.thermal.governor import Governor
-from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, pod_status_path
 from ember_runtime.thermal.reporter import ConditionReporter
 
 log = logging.getLogger(__name__)
