@@ -31,7 +31,7 @@ import httpx
 
 from ember_runtime import reasons
 from ember_runtime.config import VIEWS_DIR
-from ember_runtime.durable import fsync_dir
+from ember_runtime.durable import fsync_dir, write_all
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 
 log = logging.getLogger("ember_runtime.nodeagent.cache")
@@ -315,7 +315,7 @@ def _download(client: httpx.Client, want: Want, fd: int, pacing: _Pacing) -> str
                     raise InterruptedError(want.where())
                 if have + len(chunk) > want.size_bytes:
                     _size_mismatch(fd, want, have + len(chunk))
-                _write_all(fd, chunk)
+                write_all(fd, chunk)
                 hasher.update(chunk)
                 have += len(chunk)
                 if progress is not None:
@@ -364,9 +364,3 @@ def _size_mismatch(fd: int, want: Want, got: int) -> None:
         f"{want.where()} expected {want.size_bytes} bytes got at least {got}",
         reasons.SIZE_MISMATCH,
     )
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
