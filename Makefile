@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 APT_PKGS := containerd runc containernetworking-plugins debootstrap iproute2 \
             iptables util-linux gcc g++ libc6-dev cmake buildah
 # llama.cpp is compiled once (≈6 min) into a wheel cached by version and compiler flags
-# (bench/llama_server_build.py --wheel); pip must install that wheel, never its own build.
+# (images/llama_build.py --wheel); pip must install that wheel, never its own build.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 # `make images` / `make push`: names are $(REGISTRY)/ember-<name>:$(TAG), what the chart renders
 # from image.registry / image.tag (TAG defaults to the chart's appVersion, the chart's default).
@@ -43,10 +43,10 @@ apt: ## Debian packages the local cluster needs (root)
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml bench/llama_server_build.py
+$(STAMP): pyproject.toml images/llama_build.py
 	$(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	wheel=$$($(PY) bench/llama_server_build.py --wheel) && \
+	wheel=$$($(PY) images/llama_build.py --wheel) && \
 	  $(PY) -m pip install -q --force-reinstall --no-deps "$$wheel"
 	$(PY) -m pip install -q --only-binary llama-cpp-python -e '.[dev]'
 	touch $@
@@ -58,8 +58,8 @@ protos: $(STAMP) ## generate the device plugin's gRPC stubs from the .proto file
 
 lint: install ## ruff + mypy
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check operator runtime tests bench
-	$(VENV)/bin/mypy operator runtime tests bench
+	$(VENV)/bin/ruff format --check operator runtime tests bench images
+	$(VENV)/bin/mypy operator runtime tests bench images
 
 crds: install ## regenerate crds/ (and the chart's copy) from the pydantic models
 	$(PY) -m ember_operator.api.crdgen
@@ -72,10 +72,10 @@ crds-check: install ## fail when the committed CRDs (or the chart's copy) differ
 	diff -ru crds charts/ember/crds
 
 images: ## build every image in images/ with buildah: REGISTRY=… TAG=… PLATFORM=linux/arm64 BASE_IMAGE=local
-	$(IMAGE_PY) -m tests.cluster.ember_images build $(IMAGE_ARGS)
+	$(IMAGE_PY) -m images.build build $(IMAGE_ARGS)
 
 push: images ## buildah push each image to $(REGISTRY)/ember-<name>:$(TAG) (after `buildah login`)
-	$(IMAGE_PY) -m tests.cluster.ember_images push $(IMAGE_ARGS)
+	$(IMAGE_PY) -m images.build push $(IMAGE_ARGS)
 
 cluster-build: install ## build/cache Kubernetes, kwok, helm and the local images
 	$(PY) -m tests.cluster build
@@ -90,7 +90,7 @@ cluster-status: ## which cluster components run
 	$(PY) -m tests.cluster status
 
 llama-server: install ## build llama.cpp's own server (the runtime's peer in tests and bench), cached
-	$(PY) bench/llama_server_build.py
+	$(PY) images/llama_build.py
 
 test: install cluster-build llama-server lint crds-check ## the whole suite CI runs
 	$(VENV)/bin/pytest -p no:cacheprovider -ra

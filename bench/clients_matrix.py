@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ember_runtime.models import default_model_path
 from ember_runtime.server.app import create_app
 
-from bench.llama_server_build import VERSION as LLAMA_CPP_VERSION
-from bench.llama_server_build import ensure_llama_server
 from bench.runtime_bench import Server
+from images.llama_build import VERSION as LLAMA_CPP_VERSION
+from images.llama_build import ensure_llama_server
 from tests.conformance.cases import CASES, Case, LengthLimit
 from tests.conformance.conftest import embed_config
 from tests.runtime.conftest import CAPACITY, CONTEXT, make_config, start_live

@@ -4,7 +4,7 @@
     python bench/gpu_prepare.py [--out .gpu] [--art DIR] [--check]
 
 * `llama.cpp.tar.xz`: llama-cpp-python's vendored llama.cpp (sdist `VERSION` of
-  `bench/llama_server_build.py`, top folder `llama.cpp/`), less what a build of `llama` and
+  `images/llama_build.py`, top folder `llama.cpp/`), less what a build of `llama` and
   `llama-server` with CUDA never reads (`PRUNED`): vocab files, docs, tests, examples, the web
   UI's sources, the ggml backends other than CPU and CUDA;
 * `llama_cpp_py.tgz`: the same sdist's Python package `llama_cpp/`, no binaries (gpu_run.sh
@@ -35,7 +35,7 @@ from pathlib import Path, PurePosixPath
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.llama_server_build import VERSION, _sdist, cache_root
+from images.llama_build import VERSION, _sdist, cache_root
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024

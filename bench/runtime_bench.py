@@ -64,8 +64,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.llama_server_build import ensure_llama_server
 from bench.machine import steal_seconds
+from images.llama_build import ensure_llama_server
 from tests.support.net import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"

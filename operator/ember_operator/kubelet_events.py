@@ -6,7 +6,8 @@ watches Events too, filtered by the API server to warnings about pods (`FIELD_SE
 selectors have no "in", so the reasons are picked here), keeps one small entry per stuck pod of
 an InferenceDeployment (`status_writer.PodEvents`, dropped when the pod starts or goes) and
 refreshes the owner's status, where it becomes `Degraded` with the kubelet's reason and
-message. The Kopf handlers are in `handlers` (wiring only); nothing here imports them.
+message. The Kopf handler is in `handlers` (wiring only), the refresh in `controller`; nothing
+here imports them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 from ember_runtime.contract import reasons
 
 from ember_operator import status
-from ember_operator.reconcile import Context, pods_of
+from ember_operator.context import Context
+from ember_operator.reconcile import pods_of
 
 EVENTS = ("v1", "events")
 # Server-side: only warnings, only about pods. What is left is small (a stuck pod's kubelet
@@ -59,17 +61,19 @@ def _ours(indexes: Mapping[str, Any], key: tuple[str, str], pod: str) -> bool:
     return any(p.get("pod") == pod for p in pods_of(indexes, key))
 
 
-def record(ctx: Context, kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
+def record(
+    ctx: Context, event: Mapping[str, Any], body: Mapping[str, Any]
+) -> tuple[str, str] | None:
     """A kubelet warning about a pod: the owner whose status must be recomputed when it is
     one of Ember's and says something new (recorded for the status writer), else None."""
-    if kwargs["event"].get("type") == "DELETED":  # expired (1 h TTL): says nothing of now
+    if event.get("type") == "DELETED":  # expired (1 h TTL): says nothing of now
         return None
-    found = pod_warning(kwargs["body"])
+    found = pod_warning(body)
     if found is None:
         return None
     namespace, pod, failure, at = found
     owner = owner_of(pod)
-    if owner is None or not _ours(kwargs, (namespace, owner), pod):
+    if owner is None or not _ours(ctx.indexes, (namespace, owner), pod):
         return None
     if not ctx.writer.kubelet.record((namespace, owner), pod, failure, at):
         return None

@@ -51,3 +51,10 @@ def record_conditions(key: tuple[str, str], conditions: Mapping[str, str] | None
             _by_object[key] = dict(conditions)
             for ctype, status in conditions.items():
                 OBJECTS.labels(condition=ctype, status=status).inc()
+
+
+def reconciles_total() -> float:
+    """All reconciles so far, whatever their trigger and result: the liveness probe's figure."""
+    return sum(
+        s.value for m in RECONCILES.collect() for s in m.samples if s.name.endswith("_total")
+    )

@@ -6,24 +6,17 @@ reconcile reads nothing from the API server, and in steady state writes nothing 
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from ember_runtime.contract.cache import INSTANCE_LABEL
-from kubernetes.client import ApiClient
 from pydantic import ValidationError
 
 from ember_operator import render, sizing
-from ember_operator.api.models import InferenceDeploymentSpec, ThermalPolicy, parse_spec
-from ember_operator.apply import Applier, ChildId, digest_of, stamp
-from ember_operator.requeue import Coalescer, Requeue
-from ember_operator.settings import MANAGED_BY, OperatorSettings
-from ember_operator.status_writer import StatusWriter
-from ember_operator.thermal.nodes import HotNodes
+from ember_operator.api.models import InferenceDeploymentSpec, parse_spec
+from ember_operator.apply import ChildId, digest_of, stamp
+from ember_operator.context import Child, Context, Plan
+from ember_operator.settings import MANAGED_BY
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 PLAN_CACHE_SIZE = 4096
@@ -31,73 +24,12 @@ PLAN_CACHE_SIZE = 4096
 # same reconcile (a first reconcile needs both the digests and the manifests: rendering twice
 # was a quarter of its CPU). Few: one entry lives from a plan to its apply.
 FRESH_CACHE_SIZE = 64
-# Threads for reconciles (render, then applies that wait on the API server), apart from the
-# default pool that status refreshes use: a burst of new objects queued 1,000 reconciles
-# ahead of every status write (nothing showed Ready until the last child was applied), and
-# the default's 6 threads on 2 CPUs left the API server idle between applies.
-RECONCILE_THREADS = 12
-# Pod and Deployment events of one object are gathered into one status write until it has
-# been quiet this long (at most 3× this after the first, `requeue.Coalescer`): a lone thermal
-# change reaches status well inside its 2 s, and a replica's start-up events (scheduled,
-# running, ready, the Deployment's counts) share one write.
-STATUS_WINDOW_SECONDS = 0.5
 INDEX_BY_KIND = {
     "ConfigMap": "configmap_index",
     "Service": "service_index",
     "Deployment": "deployment_index",
     "PodDisruptionBudget": "pdb_index",
 }
-
-
-class Child(NamedTuple):
-    name: str
-    digest: str  # of the rendered manifest (`apply.stamp`)
-
-
-class Plan(NamedTuple):
-    """What a generation's spec means, kept per (uid, generation). Not the manifests themselves
-    (tens of KiB per object): their digests, and `manifests_of` renders them when one must be
-    compared or written."""
-
-    spec: InferenceDeploymentSpec
-    sized: sizing.Sizing
-    children: dict[str, Child]  # kind -> child
-    problems: list[render.Problem]
-
-    @property
-    def adaptive(self) -> bool:
-        return self.spec.thermal.policy == ThermalPolicy.ADAPTIVE
-
-
-@dataclass
-class Context:
-    api: ApiClient
-    applier: Applier
-    settings: OperatorSettings
-    writer: StatusWriter
-    hot: HotNodes
-    plans: OrderedDict[tuple[str, int], Plan] = field(default_factory=OrderedDict)
-    fresh: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
-    reconciles: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(RECONCILE_THREADS, "ember-reconcile")
-    )
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    identities: set[str] = field(default_factory=set)  # namespaces with the runtime's SA
-    requeue: Requeue = field(default_factory=Requeue)
-    refreshes: Coalescer = field(default_factory=lambda: Coalescer(STATUS_WINDOW_SECONDS))
-    indexes: Mapping[str, Any] = field(default_factory=dict)  # Kopf's, set by the first event
-    # Kopf serialises events per object, but an owner's own events and its children's events run
-    # in different threads: one lock per owner keeps their reconciles from interleaving.
-    owner_locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
-
-    def owner_lock(self, key: tuple[str, str]) -> threading.Lock:
-        with self.lock:
-            return self.owner_locks.setdefault(key, threading.Lock())
-
-    def forget_owner(self, key: tuple[str, str]) -> None:
-        with self.lock:
-            self.owner_locks.pop(key, None)
-        self.requeue.clear(key)
 
 
 def key_of(namespace: str | None, labels: Mapping[str, str]) -> tuple[str, str] | None:

@@ -14,3 +14,10 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """All of `data` to `fd`: `os.write` may take less (a full disk, a signal), never silently."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

@@ -151,6 +151,20 @@ def ensure_images() -> list[Path]:
     return [build_pause(), build_base()]
 
 
+def ensure_base_in_buildah() -> str:
+    """The local Debian base (debootstrap), loaded into buildah's store once; its name."""
+    present = subprocess.run(
+        ["buildah", "images", "--format", "{{.Name}}:{{.Tag}}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split()
+    if BASE_IMAGE not in present and f"localhost/{BASE_IMAGE}" not in present:
+        pull = ["buildah", "pull", "-q", f"docker-archive:{build_base()}"]
+        subprocess.run(pull, check=True, capture_output=True)
+    return BASE_IMAGE
+
+
 if __name__ == "__main__":
     for p in ensure_images():
         print(p)

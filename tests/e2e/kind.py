@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.cluster.ember_images import IMAGES, REGISTRY, TAG
+from images.build import IMAGES, REGISTRY, TAG
 from tests.e2e.flow import MODEL_FILE, REPO, Flow, step, timed
 
 CLUSTER = "ember-e2e"

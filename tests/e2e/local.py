@@ -5,9 +5,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from images.build import IMAGES, REGISTRY, TAG
 from tests.cluster.cluster import Cluster
 from tests.cluster.control_plane import HOST_IP, NODE_NAME
-from tests.cluster.ember_images import IMAGES, REGISTRY, TAG, build_image
+from tests.cluster.ember_images import build_image
 from tests.cluster.paths import bin_dir
 from tests.e2e.flow import Flow, copy_model
 

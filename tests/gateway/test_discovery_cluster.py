@@ -21,7 +21,7 @@ from ember_runtime.gateway.discovery import KubeDiscovery
 from ember_runtime.gateway.fleet import Fleet
 from ember_runtime.gateway.metrics import GatewayMetrics
 from ember_runtime.gateway.policy import Policy
-from ember_runtime.thermal.kube import Endpoint, KubeReader
+from ember_runtime.kube import Endpoint, KubeClient
 from kubernetes import client
 
 from tests.cluster.build import ensure_binaries
@@ -160,7 +160,7 @@ async def _discover(
     kube: Kube, ns: str, endpoint: Endpoint, *, site: str, pod_ips: dict[str, str], proxy: TcpProxy
 ) -> None:
     fleet, metrics = Fleet(Policy()), GatewayMetrics()
-    discovery = KubeDiscovery(KubeReader(endpoint, timeout=3.0), ns, "", site)
+    discovery = KubeDiscovery(KubeClient(endpoint, timeout=3.0), ns, "", site)
     task = asyncio.create_task(discovery.run(fleet, metrics))
     try:
         await until(

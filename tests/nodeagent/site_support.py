@@ -33,7 +33,7 @@ from ember_runtime.nodeagent.site import ORIGIN_SLOT, SHORT, lease_name
 from kubernetes import client
 
 from tests.conftest import Kube
-from tests.thermal.kube_support import chart_objects, kubectl_apply, token_dir
+from tests.thermal.kube_support import NODEAGENT_TEMPLATES, chart_objects, kubectl_apply, token_dir
 
 AGENT_SA = "ember-nodeagent"
 POLICY_RELOAD_SECONDS = 2.5
@@ -177,7 +177,7 @@ class SiteWorld:
         """The chart's node-agent objects (not the DaemonSet) for `namespace`."""
         self._objects = [
             o
-            for o in chart_objects("nodeagent.yaml", namespace=self.namespace)
+            for o in chart_objects(*NODEAGENT_TEMPLATES, namespace=self.namespace)
             if o["kind"] != "DaemonSet"
         ]
         kubectl_apply(self.kube, self._objects, self.tmp)

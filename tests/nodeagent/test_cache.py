@@ -18,12 +18,12 @@ import httpx
 import pytest
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import cache_label
+from ember_runtime.kube import ApiError
 from ember_runtime.nodeagent import labels as labels_module
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, _locked_partial
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
 from ember_runtime.nodeagent.labels import CacheLabels, label_patch
 from ember_runtime.nodeagent.site import short
-from ember_runtime.thermal.kube import ApiError
 
 from tests.nodeagent.origin import serve
 

@@ -41,7 +41,9 @@ def cache_root() -> Iterator[Path]:
 def _init_container() -> tuple[list[str], int]:
     """The chart's cache-dir init container as the node runs it: its argv, under root with only
     the capabilities the chart gives it (setpriv's bounding set), and the agent's uid."""
-    (daemonset,) = [o for o in chart_objects("nodeagent.yaml") if o["kind"] == "DaemonSet"]
+    (daemonset,) = [
+        o for o in chart_objects("nodeagent-daemonset.yaml") if o["kind"] == "DaemonSet"
+    ]
     pod: dict[str, Any] = daemonset["spec"]["template"]["spec"]
     (init,) = [c for c in pod["initContainers"] if c["name"] == "cache-dir"]
     caps = init["securityContext"]["capabilities"]

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 from ember_runtime.contract.config import ModelFetch
+from ember_runtime.kube import ApiError, Endpoint, KubeClient
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.evict import Evictor, pods_on_node
-from ember_runtime.nodeagent.fetcher import KubeReader, Unresolved
+from ember_runtime.nodeagent.fetcher import Unresolved
 from ember_runtime.nodeagent.views import DigestViews
-from ember_runtime.thermal.kube import ApiError, Endpoint
 from kubernetes import client
 
 from tests.conftest import Kube
@@ -73,7 +73,7 @@ def _pod(name: str, node: str, digests: list[str]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def reader(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[KubeReader]:
+def reader(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[KubeClient]:
     """The agent's reader with a token that may list pods and nothing else."""
     name = f"{namespace}-evict"
     rbac = client.RbacAuthorizationV1Api(kube.api)
@@ -97,13 +97,13 @@ def reader(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[KubeReader]:
     answer: Any = kube.core.create_namespaced_service_account_token("agent", namespace, request)
     sa = token_dir(kube, str(answer.status.token), tmp_path / "sa")
     endpoint = Endpoint(str(kube.api.configuration.host), sa / "token", sa / "ca.crt")
-    yield KubeReader(endpoint)
+    yield KubeClient(endpoint)
     rbac.delete_cluster_role_binding(name)
     rbac.delete_cluster_role(name)
 
 
 def test_over_budget_evicts_the_least_recently_used_unused_models_only(
-    kube: Kube, namespace: str, tmp_path: Path, reader: KubeReader
+    kube: Kube, namespace: str, tmp_path: Path, reader: KubeClient
 ) -> None:
     node = f"{namespace}-node"  # no such node: the pods stay Pending, bound to it
     cache = ContentCache(tmp_path / "cache")
@@ -133,7 +133,7 @@ def test_over_budget_evicts_the_least_recently_used_unused_models_only(
 
 
 def test_in_use_models_are_kept_even_over_budget_and_a_failed_list_evicts_nothing(
-    kube: Kube, namespace: str, tmp_path: Path, reader: KubeReader
+    kube: Kube, namespace: str, tmp_path: Path, reader: KubeClient
 ) -> None:
     node = f"{namespace}-node"
     cache = ContentCache(tmp_path / "cache")
@@ -164,7 +164,7 @@ def test_in_use_models_are_kept_even_over_budget_and_a_failed_list_evicts_nothin
     assert set(cache.held()) == {big}
 
 
-async def _once_and_close(evictor: Evictor, reader: KubeReader | None) -> Any:
+async def _once_and_close(evictor: Evictor, reader: KubeClient | None) -> Any:
     try:
         return await evictor.once()
     finally:

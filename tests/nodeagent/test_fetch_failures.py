@@ -14,9 +14,9 @@ from typing import Any
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
 from ember_runtime.contract.config import ModelFetch
+from ember_runtime.kube import Endpoint, KubeClient
 from ember_runtime.nodeagent.cache import ContentCache
-from ember_runtime.nodeagent.fetcher import Claim, Fetcher, KubeReader
-from ember_runtime.thermal.kube import Endpoint
+from ember_runtime.nodeagent.fetcher import Claim, Fetcher
 
 from tests.nodeagent.origin import serve
 
@@ -58,7 +58,7 @@ def test_a_mismatch_is_retried_after_its_wait_and_the_record_goes(tmp_path: Path
         specs.specs["m"] = fetch(f"{base}/m.gguf")
 
         async def run() -> None:
-            reader = KubeReader(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
+            reader = KubeClient(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
             fetcher = Fetcher(cache, reader, "n", "ns", resolver=specs, mismatch_retry_seconds=0.5)
             await fetcher._apply({"type": "ADDED", "object": pod("p", "m")})
             await settle(fetcher)
@@ -87,7 +87,7 @@ def test_each_url_keeps_its_own_failure(tmp_path: Path) -> None:
         specs.specs["b"] = fetch(f"{base}/right")
 
         async def run() -> None:
-            reader = KubeReader(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
+            reader = KubeClient(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
             fetcher = Fetcher(cache, reader, "n", "ns", resolver=specs)
             await fetcher._apply({"type": "ADDED", "object": pod("pa", "a")})
             await fetcher._apply({"type": "ADDED", "object": pod("pb", "b")})

@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
+from ember_runtime.kube import Endpoint, KubeClient
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import ContentCache, Want
-from ember_runtime.nodeagent.fetcher import KubeReader
 from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.site import (
     CACHE_ANNOTATION,
@@ -41,7 +41,6 @@ from ember_runtime.nodeagent.site import (
     lease_name,
     short,
 )
-from ember_runtime.thermal.kube import Endpoint
 from kubernetes import client
 
 from tests.conftest import Kube
@@ -295,7 +294,7 @@ def test_a_failure_on_the_lease_expires_and_is_retried(world: SiteWorld, kube: K
     asyncio.run(scenario())
 
 
-def _reader(world: SiteWorld, kube: Kube, node: str) -> KubeReader:
+def _reader(world: SiteWorld, kube: Kube, node: str) -> KubeClient:
     sa = world._token(node)
     endpoint = Endpoint(str(kube.api.configuration.host), sa / "token", sa / "ca.crt")
-    return KubeReader(endpoint)
+    return KubeClient(endpoint)

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import httpx
 from ember_runtime.contract.config import FetchFile
+from ember_runtime.kube import Endpoint, KubeClient
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import ContentCache, Want
-from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader, Wanted
+from ember_runtime.nodeagent.fetcher import Fetcher, Wanted
 from ember_runtime.nodeagent.metrics import AgentMetrics
 from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.site import Peer, SiteConfig, SiteSharing, short
-from ember_runtime.thermal.kube import Endpoint
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.nodeagent.origin import serve
@@ -39,8 +39,8 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def _reader() -> KubeReader:
-    return KubeReader(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
+def _reader() -> KubeClient:
+    return KubeClient(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
 
 
 def test_origin_and_peer_bytes_on_the_real_endpoint(tmp_path: Path) -> None:

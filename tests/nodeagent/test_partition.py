@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ember_runtime.kube import Endpoint, KubeClient
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import ContentCache, Want
-from ember_runtime.nodeagent.fetcher import KubeReader
 from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.site import (
     Peer,
@@ -28,7 +28,6 @@ from ember_runtime.nodeagent.site import (
     lease_name,
     peer_of,
 )
-from ember_runtime.thermal.kube import Endpoint
 
 from tests.nodeagent.origin import serve
 
@@ -70,7 +69,7 @@ def _obtain(
     endpoint = Endpoint(f"https://127.0.0.1:{_closed_port()}", token, None)
 
     async def go() -> tuple[str, float]:
-        reader = KubeReader(endpoint, timeout=1.0)
+        reader = KubeClient(endpoint, timeout=1.0)
         cfg = SiteConfig("n1", "ember", 0, lease_seconds=3, origin_wait_seconds=wait)
         with httpx.Client(timeout=10) as http:
             site = SiteSharing(cache, reader, cfg, me=ME, http=http, stop=threading.Event())
@@ -160,7 +159,7 @@ def test_a_nodes_peer_annotations_are_read_back() -> None:
 def test_own_node_leaving_its_site_makes_the_agent_read_it_again(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("t")
-    reader = KubeReader(Endpoint("https://127.0.0.1:9", token, None))
+    reader = KubeClient(Endpoint("https://127.0.0.1:9", token, None))
     cfg = SiteConfig("n1", "ember", 0)
     with httpx.Client() as http:
         site = SiteSharing(

@@ -21,13 +21,13 @@ import pytest
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
 from ember_runtime.contract.config import ModelFetch, ModelFile, RuntimeConfig
+from ember_runtime.kube import Endpoint, KubeClient
 from ember_runtime.nodeagent.cache import ContentCache, FetchError
-from ember_runtime.nodeagent.fetcher import Claim, Fetcher, KubeReader
+from ember_runtime.nodeagent.fetcher import Claim, Fetcher
 from ember_runtime.nodeagent.views import DigestViews
 from ember_runtime.prewarm import cachewait
 from ember_runtime.prewarm.cachewait import wait_for_cache
 from ember_runtime.prewarm.errors import PrewarmError
-from ember_runtime.thermal.kube import Endpoint
 
 from tests.nodeagent.origin import serve
 
@@ -163,7 +163,7 @@ class _Specs:
 
 
 async def _fetch_for(cache: ContentCache, pods: list[dict[str, Any]]) -> Fetcher:
-    reader = KubeReader(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
+    reader = KubeClient(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
     fetcher = Fetcher(cache, reader, "node-a", "ember-system", resolver=_Specs())
     for pod in pods:
         await fetcher._apply({"type": "ADDED", "object": pod})

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from ember_runtime.contract import reasons
 from ember_runtime.contract.config import ModelFile, RuntimeConfig
+from ember_runtime.kube import Endpoint, KubeClient
 from ember_runtime.nodeagent import fetcher as fetcher_mod
 from ember_runtime.nodeagent.cache import ContentCache, Want
-from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
+from ember_runtime.nodeagent.fetcher import Fetcher
 from ember_runtime.nodeagent.views import DigestViews
 from ember_runtime.nodeagent.windows import Windows, parse
 from ember_runtime.prewarm.cachewait import wait_for_cache
 from ember_runtime.prewarm.errors import PrewarmError
-from ember_runtime.thermal.kube import Endpoint
 
 from tests.nodeagent.origin import serve
 
@@ -72,7 +72,7 @@ def test_outside_the_window_the_fetch_waits_and_prewarm_says_until_when(
     with serve({"m": DATA}) as (base, origin):
 
         async def go() -> None:
-            reader = KubeReader(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
+            reader = KubeClient(Endpoint("https://127.0.0.1:9", Path("/nonexistent"), None))
             f = Fetcher(cache, reader, "n", "ns", windows=Windows(["22:00-23:00"]))
             task = asyncio.create_task(f._from_origin(Want(f"{base}/m", SHA, len(DATA))))
             await asyncio.sleep(0.3)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import ember_operator.handlers  # noqa: F401  (importing registers Ember's handlers)
 import kopf
-from ember_operator import apply, handlers, metrics, reconcile, requeue
+from ember_operator import apply, context, controller, kopf_setup, metrics, reconcile, requeue
 from ember_operator.settings import OperatorSettings
 from kopf._cogs.structs import diffs
 
@@ -15,7 +16,7 @@ from tests.operator.specs import manifest
 def test_no_change_detecting_handlers_so_the_empty_diff_base_is_safe() -> None:
     """`NoDiffBase` gives Kopf an empty essence for every body: right only while no handler
     needs Kopf's diffs. An on.create/update/resume/field handler, a timer or a daemon added
-    to Ember later must come with Kopf's own storage back (`handlers.configure`)."""
+    to Ember later must come with Kopf's own storage back (`kopf_setup.configure`)."""
     registry = kopf.get_default_registry()
 
     def ours(found: Any) -> list[Any]:  # the suite also loads a toy operator into it
@@ -29,16 +30,16 @@ def test_no_change_detecting_handlers_so_the_empty_diff_base_is_safe() -> None:
 
 def test_a_process_with_change_handlers_keeps_kopfs_diff_base() -> None:
     registry = kopf.OperatorRegistry()
-    assert not handlers._has_change_handlers(registry)
+    assert not kopf_setup.has_change_handlers(registry)
 
     @kopf.on.create("example.dev", "v1", "things", registry=registry)
     def created(**_: Any) -> None: ...
 
-    assert handlers._has_change_handlers(registry)
+    assert kopf_setup.has_change_handlers(registry)
 
 
 def test_empty_diff_base_copies_nothing_and_diffs_empty() -> None:
-    storage = handlers.NoDiffBase()
+    storage = kopf_setup.NoDiffBase()
     raw: kopf.RawBody = {
         "metadata": {"name": "a", "labels": {"app": "x"}},
         "spec": {"replicas": 2},
@@ -50,13 +51,11 @@ def test_empty_diff_base_copies_nothing_and_diffs_empty() -> None:
     assert diffs.diff(old, new) == ()
 
 
-def _context() -> reconcile.Context:
+def _context() -> context.Context:
     # Only the plan caches and settings are used here; no API client is needed.
     unused: Any = None
     settings = OperatorSettings(runtime_image="example/runtime:1")
-    return reconcile.Context(
-        api=unused, applier=unused, settings=settings, writer=unused, hot=unused
-    )
+    return context.Context(api=unused, applier=unused, settings=settings, writer=unused, hot=unused)
 
 
 def test_a_fresh_plan_hands_its_manifests_to_the_apply_once() -> None:
@@ -100,5 +99,5 @@ def test_a_due_refresh_records_its_lag_from_the_first_mark() -> None:
     due = ctx.refreshes.take_due()
     assert due == [(("ns", "gone"), 50.0)]
     count, total = _lag_samples()
-    handlers._refresh_due(ctx, *due[0])
+    controller.refresh_due(ctx, *due[0])
     assert _lag_samples() == (count + 1, total + 3.25)

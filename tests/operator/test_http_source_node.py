@@ -31,7 +31,7 @@ from tests.operator import rest
 from tests.operator.specs import manifest
 from tests.operator.test_node_reasons import RESOURCES, runtime_image  # noqa: F401 - fixture
 from tests.support.waiting import wait_for
-from tests.thermal.kube_support import chart_objects, kubectl_apply, token_dir
+from tests.thermal.kube_support import NODEAGENT_TEMPLATES, chart_objects, kubectl_apply, token_dir
 
 pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]
 
@@ -79,7 +79,9 @@ def _running_agent(
     kube: Kube, namespace: str, tmp_path: Path, extra: Sequence[str] = ()
 ) -> Iterator[subprocess.Popen[str]]:
     objects = [
-        o for o in chart_objects("nodeagent.yaml", namespace=namespace) if o["kind"] != "DaemonSet"
+        o
+        for o in chart_objects(*NODEAGENT_TEMPLATES, namespace=namespace)
+        if o["kind"] != "DaemonSet"
     ]
     kubectl_apply(kube, objects, tmp_path)
     request = client.AuthenticationV1TokenRequest(

@@ -5,14 +5,14 @@ from __future__ import annotations
 import inspect
 import json
 
-from ember_operator import handlers, kopf_json
+from ember_operator import kopf_json, kopf_setup
 from kopf._cogs.clients import api as kopf_api
 
 DECODER = getattr(kopf_api, "json")  # noqa: B009 - Kopf does not export the name
 
 
 def test_the_operator_installs_it() -> None:
-    assert "kopf_json.install()" in inspect.getsource(handlers)
+    assert "kopf_json.install()" in inspect.getsource(kopf_setup)
     assert kopf_json.installed()
     assert DECODER.dumps is json.dumps  # the rest of the module is the standard one
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ember_operator.handlers import QuietSuccess
+from ember_operator.kopf_setup import QuietSuccess
 
 
 def _record(level: int, message: str) -> logging.LogRecord:

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256
 
-from tests.cluster.ember_images import IMAGES, build_image
+from images.build import IMAGES
+from tests.cluster.ember_images import build_image
 from tests.conftest import Kube, NodeHandle
 from tests.e2e.flow import table_columns
 from tests.operator import rest

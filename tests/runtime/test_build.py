@@ -7,11 +7,11 @@ import sys
 import llama_cpp
 import pytest
 
-from bench import llama_server_build
+from images import llama_build
 
 
 def test_engine_build_has_no_amx_kernels() -> None:
-    # llama.cpp 0.3.36's AMX kernels die of SIGILL on AMX CPUs (bench/llama_server_build.py
+    # llama.cpp 0.3.36's AMX kernels die of SIGILL on AMX CPUs (images/llama_build.py
     # says why): the venv must run the wheel built without them, not pip's native build.
     info = llama_cpp.llama_print_system_info().decode()
     assert "AMX_INT8 = 1" not in info, info
@@ -24,6 +24,6 @@ def test_build_steps_print_to_stderr_so_stdout_is_only_the_path(
     # `make install` reads the wheel's path from the script's stdout; on a fresh machine pip's
     # own output went there too and the install failed ("looks like a filename, but the file
     # does not exist").
-    llama_server_build._run([sys.executable, "-c", "print('Building wheel...')"])
+    llama_build._run([sys.executable, "-c", "print('Building wheel...')"])
     out, err = capfd.readouterr()
     assert (out, err) == ("", "Building wheel...\n")

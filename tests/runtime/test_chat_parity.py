@@ -22,7 +22,7 @@ import httpx
 import pytest
 from ember_runtime.engines.base import ChatMessage
 
-from bench.llama_server_build import ensure_llama_server
+from images.llama_build import ensure_llama_server
 from tests.runtime.conftest import CONTEXT, LiveServer
 from tests.support.net import free_port
 

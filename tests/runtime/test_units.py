@@ -10,8 +10,10 @@ import pytest
 from ember_runtime.contract.config import EngineSettings
 from ember_runtime.engines import sampling
 from ember_runtime.engines.text import TextAssembler
+from ember_runtime.prewarm.manifest import resolve_model_path
 from ember_runtime.sensors import TemperatureSource, ThermalZoneReader
-from ember_runtime.server.settings import load_settings, resolve_model_path
+from ember_runtime.server import __main__ as server_main
+from ember_runtime.server.settings import load_settings
 
 
 def feed(assembler: TextAssembler, pieces: list[bytes]) -> tuple[str, bool]:
@@ -92,6 +94,28 @@ def test_bad_override_is_a_clear_error(tmp_path: Path) -> None:
     config.write_text("modelName: m\nmodelDir: /models\n")
     with pytest.raises(ValueError, match="maxBatchSize"):
         load_settings(["--config", str(config), "--max-batch-size", "0"])
+
+
+def test_config_and_log_level_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The names the operator's pod spec and the README use: $EMBER_CONFIG (the mounted
+    ConfigMap, reloaded for the thermal policy) and $EMBER_LOG_LEVEL; kebab-case flags."""
+    config = tmp_path / "config.yaml"
+    config.write_text("modelName: m\nmodelDir: /models\nserver: {maxBodyBytes: 4096}\n")
+    monkeypatch.setenv("EMBER_CONFIG", str(config))
+    monkeypatch.setenv("EMBER_LOG_LEVEL", "debug")
+    settings = load_settings(["--api-key-file", "/k", "--engine", "llamacpp"])
+    assert settings.config_path == config
+    assert settings.config.server.max_body_bytes == 4096
+    assert settings.config.server.api_key_file == "/k"
+    assert settings.log_level == "debug"
+
+
+def test_a_bad_flag_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert server_main.main(["--port", "eighty"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid runtime settings" in err and "port" in err
 
 
 def test_model_path_falls_back_to_a_gguf_in_model_dir(tmp_path: Path) -> None:

@@ -24,6 +24,20 @@ RUNTIME_SA = "ember-runtime"
 # helm template's names for release "ember": the operator's default runtime_cluster_role.
 RUNTIME_ROLE = "ember-runtime"
 RUNTIME_POLICY = "ember-runtime-own-pod"
+# The node agent's objects, one kind per template.
+NODEAGENT_TEMPLATES = tuple(
+    f"nodeagent-{kind}.yaml"
+    for kind in (
+        "serviceaccount",
+        "clusterrole",
+        "clusterrolebinding",
+        "role",
+        "rolebinding",
+        "validatingadmissionpolicy",
+        "validatingadmissionpolicybinding",
+        "daemonset",
+    )
+)
 
 
 def chart_objects(*templates: str, namespace: str = "ember-system") -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from ember_runtime.contract.thermal import (
     decode_report,
     thermal_condition,
 )
-from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, pod_status_path
+from ember_runtime.kube import ConditionPatcher, Endpoint, pod_status_path
 
 from tests.conftest import Kube
 from tests.thermal.kube_support import (

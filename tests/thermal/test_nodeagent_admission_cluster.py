@@ -23,12 +23,12 @@ from ember_runtime.contract.thermal import (
     decode_report,
     thermal_condition,
 )
-from ember_runtime.thermal.kube import ApiError, ConditionPatcher, Endpoint, node_status_path
+from ember_runtime.kube import ApiError, ConditionPatcher, Endpoint, node_status_path
 from kubernetes import client
 
 from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest
 from tests.conftest import Kube
-from tests.thermal.kube_support import chart_objects, kubectl_apply, token_dir
+from tests.thermal.kube_support import NODEAGENT_TEMPLATES, chart_objects, kubectl_apply, token_dir
 
 pytestmark = pytest.mark.cluster
 
@@ -48,7 +48,9 @@ def agent(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[tuple[str, str
         m["status"].pop("nodeInfo", None)  # kubernetes>=37 rejects a partial NodeSystemInfo
     create_nodes(kube.api, manifests)
     objects = [
-        o for o in chart_objects("nodeagent.yaml", namespace=namespace) if o["kind"] != "DaemonSet"
+        o
+        for o in chart_objects(*NODEAGENT_TEMPLATES, namespace=namespace)
+        if o["kind"] != "DaemonSet"
     ]
     kubectl_apply(kube, objects, tmp_path)
     pod: Any = {

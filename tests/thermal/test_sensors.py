@@ -4,10 +4,11 @@ reading and says why (`problems_of`); it never raises out of `build_source`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import stat
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,14 +19,13 @@ from ember_runtime.sensors import (
     CompositeSource,
     Ewma,
     Retrying,
-    Sample,
-    Sampler,
     SensorUnavailableError,
     SmoothedSource,
     ThermalZoneReader,
     build_source,
     hottest,
     problems_of,
+    sample_forever,
     telemetry_of,
 )
 from ember_runtime.sensors.npu_smi import NpuSmiParseError, NpuSmiReader, parse_npu_smi_info
@@ -33,6 +33,7 @@ from ember_runtime.sensors.nvml import NvmlReader, decode_reasons
 from ember_runtime.server.metrics import Metrics
 from prometheus_client import generate_latest
 
+from tests.support.waiting import wait_async
 from tests.thermal.conftest import FIXTURES, FakeThermalTree
 
 
@@ -77,35 +78,51 @@ def test_ewma_fast_attack_slow_release() -> None:
         Ewma(rising=0.0)
 
 
-def test_sampler_follows_the_fake_tree(thermal_tree: FakeThermalTree) -> None:
+class Samples:
+    """What `sample_forever` handed on, newest last, with its loop running on the test's loop."""
+
+    def __init__(self, source: Any, interval: float) -> None:
+        self.seen: list[dict[str, float]] = []
+        self.task = asyncio.create_task(
+            sample_forever(source, interval, lambda temps, _: self.seen.append(temps))
+        )
+
+    async def wait(self, ok: Callable[[tuple[str, float]], bool]) -> tuple[str, float]:
+        def latest() -> tuple[str, float] | None:
+            top = hottest(self.seen[-1]) if self.seen else None
+            return top if top is not None and ok(top) else None
+
+        found: tuple[str, float] = await wait_async("a sample", latest, timeout=5.0)
+        return found
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def test_sampler_follows_the_fake_tree(thermal_tree: FakeThermalTree) -> None:
     thermal_tree.zone(0, "soc-thermal", 60.0)
     thermal_tree.zone(1, "npu-thermal", 70.0)
     source = SmoothedSource(ThermalZoneReader(thermal_tree.root), Ewma(1.0, 0.5))
-    with Sampler(source, interval=0.05) as sampler:
-        _wait_for(sampler, lambda s: s.hottest_celsius == 70.0)
+    samples = Samples(source, interval=0.05)
+    try:
+        await samples.wait(lambda s: s[1] == 70.0)
         thermal_tree.set(0, 84.0)
-        sample = _wait_for(sampler, lambda s: s.hottest_name == "soc-thermal")
-        assert sample.hottest_celsius == 84.0
+        sample = await samples.wait(lambda s: s[0] == "soc-thermal")
+        assert sample[1] == 84.0
         thermal_tree.set(0, 76.0)
         # The release is smoothed: 84 → 80 → 78 → 77 ... never a jump straight to 76.
-        between = _wait_for(sampler, lambda s: (s.hottest_celsius or 0) < 84.0)
-        assert between.hottest_celsius == 80.0
+        between = await samples.wait(lambda s: s[1] < 84.0)
+        assert between[1] == 80.0
         thermal_tree.set(0, 50.0)
-        last = _wait_for(sampler, lambda s: s.hottest_name == "npu-thermal")
-        assert last.hottest_celsius == 70.0
+        last = await samples.wait(lambda s: s[0] == "npu-thermal")
+        assert last[1] == 70.0
+    finally:
+        await samples.stop()
 
 
-def _wait_for(sampler: Sampler, ok: Callable[[Sample], bool], timeout: float = 5.0) -> Sample:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sample = sampler.latest
-        if sample is not None and ok(sample):
-            return sample
-        time.sleep(0.01)
-    raise AssertionError(f"sampler never got there; last sample: {sampler.latest}")
-
-
-def test_sampler_survives_a_failing_source() -> None:
+async def test_sampler_survives_a_failing_source() -> None:
     calls = []
 
     class Flaky:
@@ -115,10 +132,14 @@ def test_sampler_survives_a_failing_source() -> None:
                 raise OSError("sensor went away")
             return {"z": 50.0}
 
-    with Sampler(Flaky(), interval=0.02) as sampler:
-        _wait_for(sampler, lambda s: s.hottest_celsius == 50.0)
+    samples = Samples(Flaky(), interval=0.02)
+    try:
+        await samples.wait(lambda s: s[1] == 50.0)
+        assert samples.seen[0] == {}  # the failed read: no reading, and the loop went on
+    finally:
+        await samples.stop()
     with pytest.raises(ValueError):
-        Sampler(Flaky(), interval=0)
+        await sample_forever(Flaky(), 0, lambda temps, _: None)
 
 
 # ----------------------------------------------------------------------------- npu-smi

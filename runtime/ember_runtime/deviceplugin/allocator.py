@@ -24,7 +24,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ..durable import fsync_dir
+from ..durable import fsync_dir, write_all
 from .discovery import parse_unit_id
 
 log = logging.getLogger(__name__)
@@ -289,16 +289,10 @@ def _write_synced(path: Path, payload: bytes) -> None:
     """`payload` as the whole of `path` (created 0600 or truncated), fsync'd."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        _write_all(fd, payload)
+        write_all(fd, payload)
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, payload: bytes) -> None:
-    view = memoryview(payload)
-    while view:  # a regular file takes it in one go unless the disk is full
-        view = view[os.write(fd, view) :]
 
 
 class ContextAllocator:

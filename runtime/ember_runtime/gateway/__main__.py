@@ -13,7 +13,7 @@ from ember_runtime.gateway.app import Runner, create_app
 from ember_runtime.gateway.discovery import KubeDiscovery, static
 from ember_runtime.gateway.fleet import Fleet
 from ember_runtime.gateway.policy import Policy
-from ember_runtime.thermal.kube import Endpoint, KubeReader
+from ember_runtime.kube import Endpoint, KubeClient
 
 
 def _env(name: str, default: str = "") -> str:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         discover: Runner = static(args.static)
     elif args.namespace:
         discover = KubeDiscovery(
-            KubeReader(Endpoint.in_cluster()), args.namespace, args.selector, args.site
+            KubeClient(Endpoint.in_cluster()), args.namespace, args.selector, args.site
         ).run
     else:
         raise SystemExit("--namespace (the API server) or --static (a routes file) is required")

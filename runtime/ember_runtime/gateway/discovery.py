@@ -25,7 +25,7 @@ from ember_runtime.contract.cache import INSTANCE_LABEL
 from ember_runtime.gateway import routes as routing
 from ember_runtime.gateway.fleet import Fleet
 from ember_runtime.gateway.metrics import GatewayMetrics
-from ember_runtime.thermal.kube import API_ERRORS, KubeReader
+from ember_runtime.kube import API_ERRORS, KubeClient
 
 log = logging.getLogger(__name__)
 SITE_LABEL = "ember.dev/site"
@@ -41,7 +41,7 @@ def static(path: Path) -> Callable[[Fleet, GatewayMetrics], Coroutine[Any, Any, 
 
 class KubeDiscovery:
     def __init__(
-        self, reader: KubeReader, namespace: str, selector: str = "", site: str = ""
+        self, reader: KubeClient, namespace: str, selector: str = "", site: str = ""
     ) -> None:
         self.reader, self.namespace, self.selector, self.site = reader, namespace, selector, site
         self.deployments: dict[str, dict[str, Any]] = {}

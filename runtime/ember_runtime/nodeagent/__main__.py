@@ -21,10 +21,11 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from ember_runtime.contract.config import SensorSettings
 from ember_runtime.contract.thermal import DEFAULTS, ThermalPolicy, ThermalReading, whole_degrees
+from ember_runtime.kube import ConditionPatcher, Endpoint, KubeClient, node_status_path
 from ember_runtime.nodeagent import windows
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.evict import Evictor, pods_on_node
-from ember_runtime.nodeagent.fetcher import Fetcher, KubeReader
+from ember_runtime.nodeagent.fetcher import Fetcher
 from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.metrics import AgentMetrics
 from ember_runtime.nodeagent.peerauth import Identity
@@ -34,9 +35,7 @@ from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.nodeagent.site import SITE_LABEL, SiteConfig, SiteSharing
 from ember_runtime.nodeagent.views import DigestViews
 from ember_runtime.nodeagent.windows import Windows
-from ember_runtime.sensors import build_source
-from ember_runtime.sensors.base import TemperatureSource
-from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, node_status_path
+from ember_runtime.sensors import build_source, sample_forever
 from ember_runtime.thermal.reporter import ConditionReporter
 
 log = logging.getLogger("ember_runtime.nodeagent")
@@ -170,24 +169,18 @@ def node_reading(policy: ThermalPolicy, temps: dict[str, float]) -> ThermalReadi
     )
 
 
-async def sample_forever(
-    source: TemperatureSource,
-    policy: ThermalPolicy,
-    reporter: ConditionReporter,
-    interval: float,
-) -> None:
-    while True:
-        try:
-            temps = await asyncio.to_thread(source.read)
-        except Exception:  # a broken sensor is "no reading", never a crash
-            log.exception("temperature read failed")
-            temps = {}
+async def report_temperature(settings: AgentSettings, reporter: ConditionReporter) -> None:
+    """Until cancelled: the node's hottest reading, classified, into the node's condition."""
+    source = build_source(SensorSettings(sysfs_root=settings.sysfs_root))
+    policy = settings.policy()
+
+    def offer(temps: dict[str, float], _problem: str | None) -> None:
         reporter.offer(node_reading(policy, temps))
-        await asyncio.sleep(interval)
+
+    await sample_forever(source, settings.interval_seconds, offer)
 
 
 async def run(settings: AgentSettings) -> None:
-    source = build_source(SensorSettings(sysfs_root=settings.sysfs_root))
     patcher = ConditionPatcher(settings.endpoint(), node_status_path(settings.node_name))
     reporter = ConditionReporter(patcher, band_celsius=settings.band_celsius)
     stop = asyncio.Event()
@@ -195,9 +188,7 @@ async def run(settings: AgentSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = [
-        asyncio.create_task(
-            sample_forever(source, settings.policy(), reporter, settings.interval_seconds)
-        ),
+        asyncio.create_task(report_temperature(settings, reporter)),
         asyncio.create_task(reporter.run()),
     ]
     log.info("reporting %s's temperature", settings.node_name)
@@ -205,7 +196,7 @@ async def run(settings: AgentSettings) -> None:
     if settings.metrics_port is not None:
         port = metrics.serve(settings.metrics_bind, settings.metrics_port)
         log.info("serving metrics on %s:%d", settings.metrics_bind, port)
-    reader = KubeReader(settings.endpoint()) if settings.cache_root is not None else None
+    reader = KubeClient(settings.endpoint()) if settings.cache_root is not None else None
     server: PeerServer | None = None
     if settings.cache_root is not None and reader is not None:
         cache = ContentCache(settings.cache_root)
@@ -272,7 +263,7 @@ async def run(settings: AgentSettings) -> None:
 
 
 def start_site_sharing(
-    settings: AgentSettings, cache: ContentCache, reader: KubeReader, metrics: AgentMetrics
+    settings: AgentSettings, cache: ContentCache, reader: KubeClient, metrics: AgentMetrics
 ) -> tuple[PeerServer, SiteSharing]:
     """The peer port (serving from now on) and the site coordination that uses it."""
     me = Identity(settings.node_name)  # a fresh key pair each start: a restart rotates it

@@ -39,7 +39,7 @@ from ember_runtime.contract.cache import (
     is_digest,
     partial_name,
 )
-from ember_runtime.durable import fsync_dir
+from ember_runtime.durable import fsync_dir, write_all
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 
 log = logging.getLogger("ember_runtime.nodeagent.cache")
@@ -320,7 +320,7 @@ def _download(client: httpx.Client, want: Want, fd: int, pacing: _Pacing) -> str
                     raise InterruptedError(want.where())
                 if have + len(chunk) > want.size_bytes:
                     _size_mismatch(fd, want, have + len(chunk))
-                _write_all(fd, chunk)
+                write_all(fd, chunk)
                 hasher.update(chunk)
                 have += len(chunk)
                 if progress is not None:
@@ -369,9 +369,3 @@ def _size_mismatch(fd: int, want: Want, got: int) -> None:
         f"{want.where()} expected {want.size_bytes} bytes got at least {got}",
         reasons.SIZE_MISMATCH,
     )
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember_runtime.contract.cache import USED_DIR, is_digest
+from ember_runtime.kube import KubeClient
 from ember_runtime.nodeagent.cache import ContentCache
-from ember_runtime.nodeagent.fetcher import KubeReader, PodFetch
+from ember_runtime.nodeagent.fetcher import PodFetch
 from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.views import DigestViews
 
@@ -39,7 +40,7 @@ log = logging.getLogger("ember_runtime.nodeagent.evict")
 InUse = Callable[[], Awaitable[set[str]]]  # raises when it cannot tell
 
 
-def pods_on_node(reader: KubeReader, node: str, fetch_of: PodFetch) -> InUse:
+def pods_on_node(reader: KubeClient, node: str, fetch_of: PodFetch) -> InUse:
     """The digests that the pods bound to `node` name, listed afresh from the API server;
     raises (`fetcher.Unresolved`) while one of them is not resolved yet."""
 

@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
 from ember_runtime.contract.config import FetchFile, ModelFetch, fetch_from_spec
+from ember_runtime.kube import API_ERRORS, ApiError, KubeClient
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, failure_line
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
 from ember_runtime.nodeagent.labels import CacheLabels
@@ -45,10 +46,6 @@ from ember_runtime.nodeagent.metrics import ORIGIN, AgentMetrics
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.nodeagent.site import SiteSharing
 from ember_runtime.nodeagent.windows import Windows, until
-from ember_runtime.thermal.kube import API_ERRORS, ApiError
-
-# KubeReader moved to thermal.kube (the gateway reads with it too); re-exported for importers.
-from ember_runtime.thermal.kube import KubeReader as KubeReader  # noqa: PLC0414
 
 log = logging.getLogger("ember_runtime.nodeagent.fetcher")
 
@@ -96,7 +93,7 @@ class Resolver(Protocol):
 class SpecResolver:
     """Reads what to fetch from the named InferenceDeployment's spec, in the pod's namespace."""
 
-    def __init__(self, reader: KubeReader) -> None:
+    def __init__(self, reader: KubeClient) -> None:
         self.reader = reader
 
     async def resolve(self, claim: Claim) -> ModelFetch | None:
@@ -129,7 +126,7 @@ class Fetcher:
     def __init__(
         self,
         cache: ContentCache,
-        reader: KubeReader,
+        reader: KubeClient,
         node: str,
         namespace: str,
         *,
@@ -381,7 +378,7 @@ class Fetcher:
                 version: str | None = listed["metadata"]["resourceVersion"]
                 while version is not None:
                     version = await self._watch_once(params, version)
-            except (ApiError, httpx.HTTPError, ValueError, KeyError) as err:
+            except API_ERRORS as err:
                 log.warning("watching pods on %s: %s; listing again in 5s", self.node, err)
                 await asyncio.sleep(5)
 

@@ -21,9 +21,9 @@ import time
 from contextlib import suppress
 
 from ember_runtime.contract.cache import CACHE_LABEL_PREFIX, cache_label
+from ember_runtime.kube import API_ERRORS, ApiError
 from ember_runtime.nodeagent.cache import ContentCache
-from ember_runtime.nodeagent.site import API_ERRORS, MERGE_PATCH, Api
-from ember_runtime.thermal.kube import ApiError
+from ember_runtime.nodeagent.site import MERGE_PATCH, Api
 
 log = logging.getLogger("ember_runtime.nodeagent.labels")
 

@@ -32,10 +32,10 @@ import httpx
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import MODEL_DOWNLOAD_CONDITION
 from ember_runtime.contract.config import FetchFile
+from ember_runtime.kube import ApiError, KubeClient
 from ember_runtime.nodeagent.cache import ContentCache
-from ember_runtime.nodeagent.fetcher import KubeReader, PodFetch, Unresolved
+from ember_runtime.nodeagent.fetcher import PodFetch, Unresolved
 from ember_runtime.prewarm.cachewait import Observation, progress_message
-from ember_runtime.thermal.kube import ApiError
 
 log = logging.getLogger("ember_runtime.nodeagent.podprogress")
 
@@ -54,7 +54,7 @@ class DownloadReports:
     def __init__(
         self,
         cache: ContentCache,
-        reader: KubeReader,
+        reader: KubeClient,
         node: str,
         fetch_of: PodFetch,
         *,

@@ -53,10 +53,10 @@ from typing import Any, Protocol
 import httpx
 
 from ember_runtime.contract import reasons
+from ember_runtime.kube import API_ERRORS, ApiError
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import Checker, ContentCache, FetchError, Signer, Want
 from ember_runtime.nodeagent.metrics import PEER, AgentMetrics
-from ember_runtime.thermal.kube import ApiError
 
 log = logging.getLogger("ember_runtime.nodeagent.site")
 
@@ -72,17 +72,13 @@ ORIGIN_SLOT = "0" * 64
 SHA_ANNOTATION = "ember.dev/sha256"
 SHORT = 16
 MERGE_PATCH = "application/merge-patch+json"
-# What the agent treats as "the API server is not there for us": it answered with an error
-# (a 403 from a misconfigured policy included) or did not answer at all.
-API_ERRORS = (ApiError, httpx.HTTPError, ValueError, KeyError)
 BAD_PEER_SECONDS = 30.0
-WATCH_SECONDS = 300
 
 Origin = Callable[[], Awaitable[object]]
 
 
 class Api(Protocol):
-    """The calls the site code makes (fetcher.KubeReader: the agent's own token)."""
+    """The calls the site code makes (kube.KubeClient: the agent's own token)."""
 
     async def get(self, path: str, params: dict[str, str] | None = None) -> dict[str, Any]: ...
 

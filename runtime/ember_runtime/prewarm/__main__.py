@@ -17,10 +17,11 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any
 
 from pydantic import ValidationError
 
+from ember_runtime import termination
 from ember_runtime.contract import reasons
 from ember_runtime.contract.config import CONFIG_ENV, RuntimeConfig, load_config
 from ember_runtime.prewarm.checks import (
@@ -137,16 +138,6 @@ def _config_error(err: Exception) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
-def write_termination_log(path: Path, reason: str, detail: str, err: TextIO = sys.stderr) -> None:
-    """One `Reason: detail` line for the pod status (`ember_runtime.contract.reasons`, which the
-    operator parses); stderr always gets it too, in case the file is unwritable."""
-    print(f"prewarm failed: {reasons.termination_message(reason, detail)}", file=err)
-    try:
-        reasons.write_termination_message(path, reason, detail)
-    except OSError as e:
-        print(f"cannot write termination log {path}: {e.strerror}", file=err)
-
-
 def _on_sigterm(stop: threading.Event) -> None:
     def handler(signum: int, frame: FrameType | None) -> None:
         stop.set()  # copy threads drop their temp files at the next buffer
@@ -163,17 +154,17 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
         config = _config(args)
         log = Path(config.termination_log)
     except (OSError, ValueError, ValidationError) as err:
-        write_termination_log(log, reasons.CONFIG_INVALID, _config_error(err))
+        termination.report(log, reasons.CONFIG_INVALID, _config_error(err), who="prewarm")
         return EXIT_FAILED
     options = CopyOptions(buffer_bytes=args.buffer_mib << 20, parallel=args.parallel)
     try:
         prewarm(_preflight(args, config), options, sys.stdout, stop, args.progress_interval)
     except PrewarmError as err:
-        write_termination_log(log, err.reason, str(err))
+        termination.report(log, err.reason, str(err), who="prewarm")
         return EXIT_SIGTERM if isinstance(err, Interrupted) else EXIT_FAILED
     except OSError as err:
         detail = f"{err.filename or ''}: {err.strerror}"
-        write_termination_log(log, reasons.MODEL_READ_ERROR, detail)
+        termination.report(log, reasons.MODEL_READ_ERROR, detail, who="prewarm")
         return EXIT_FAILED
     return 0
 

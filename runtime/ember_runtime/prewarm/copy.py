@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ember_runtime.contract import reasons
 from ember_runtime.contract.config import ModelFile
-from ember_runtime.durable import fsync_dir
+from ember_runtime.durable import fsync_dir, write_all
 from ember_runtime.prewarm.errors import ChecksumMismatch, Interrupted, PrewarmError, SizeMismatch
 from ember_runtime.prewarm.manifest import ManifestEntry
 from ember_runtime.prewarm.progress import Progress
@@ -87,11 +87,6 @@ class _Hasher:
         return self.digest.hexdigest()
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        view = view[os.write(fd, view) :]
-
-
 @contextmanager
 def _temp_file(final: Path) -> Iterator[tuple[Path, int]]:
     """A fresh temp file next to `final`; unlinked unless the caller renamed it."""
@@ -129,7 +124,7 @@ def _stream(
         if copied > spec.size_bytes:
             hasher.free.put(buf)
             raise SizeMismatch(spec.path, spec.size_bytes, os.fstat(src_fd).st_size)
-        _write_all(dst_fd, memoryview(buf)[:n])
+        write_all(dst_fd, memoryview(buf)[:n])
         hasher.submit(buf, n)
         progress.add(n)
 

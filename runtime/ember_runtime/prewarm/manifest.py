@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ember_runtime.contract.config import ModelFile, RuntimeConfig
-from ember_runtime.durable import fsync_dir
+from ember_runtime.durable import fsync_dir, write_all
 
 MANIFEST_NAME = ".ember-prewarm.json"
 MANIFEST_VERSION = 1
@@ -63,7 +63,7 @@ def write_manifest(target_dir: Path, manifest: Manifest) -> None:
     data = manifest.model_dump_json(indent=2).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, data)
+        write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -100,15 +100,22 @@ def _has_size(path: Path, size: int) -> bool:
         return False
 
 
-def resolve_model_path(config: RuntimeConfig, file: ModelFile | None = None) -> Path:
-    """The path the runtime should load `file` (default: the first configured file) from.
-
-    The prewarmed copy when `config.prewarm_dir` holds a matching manifest, else the source
-    under `config.model_dir`. Raises ValueError when the config lists no files.
-    """
+def resolve_model_path(
+    config: RuntimeConfig, file: ModelFile | None = None, *, explicit: Path | None = None
+) -> Path:
+    """The one answer to "which file does the runtime load": `explicit` (`--model`) when given;
+    else `file` (default: the first configured file) from prewarm's copy when
+    `config.prewarm_dir` holds a matching manifest, else from the source under
+    `config.model_dir`; with no files configured (a developer's run), the first GGUF in
+    `model_dir`. Raises ValueError when there is none of these."""
+    if explicit is not None:
+        return explicit
     if file is None:
         if not config.files:
-            raise ValueError("config lists no model files")
+            found = sorted(Path(config.model_dir).glob("*.gguf"))
+            if not found:
+                raise ValueError(f"config lists no model files and {config.model_dir} no .gguf")
+            return found[0]
         file = config.files[0]
     if config.prewarm_dir is not None:
         target = Path(config.prewarm_dir)

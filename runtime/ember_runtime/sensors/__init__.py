@@ -3,7 +3,8 @@
 Every source implements `TemperatureSource.read() -> {name: °C}`: Linux thermal zones (sysfs),
 NVIDIA GPUs (NVML; power and SM clock through `telemetry_of`), Ascend NPUs (`npu-smi info`).
 `build_source(config.sensors)` combines the
-configured ones behind an EWMA; `Sampler` reads any source on a background thread. A source
+configured ones behind an EWMA; `sample_forever` reads any source
+on the event loop's behalf (the one sampling loop of the node side). A source
 that cannot work here (no driver, no tool, no sysfs) gives no reading; `problems_of(source)` says
 why, and the runtime reports it (reason `SensorUnavailable`) instead of failing.
 """
@@ -21,10 +22,9 @@ from ember_runtime.sensors.sampler import (
     CompositeSource,
     Ewma,
     Retrying,
-    Sample,
-    Sampler,
     SmoothedSource,
     build_source,
+    sample_forever,
 )
 from ember_runtime.sensors.thermal_zone import ThermalZoneReader
 
@@ -33,8 +33,6 @@ __all__ = [
     "Diagnosed",
     "Ewma",
     "Retrying",
-    "Sample",
-    "Sampler",
     "SensorUnavailableError",
     "SmoothedSource",
     "Telemetered",
@@ -43,5 +41,6 @@ __all__ = [
     "build_source",
     "hottest",
     "problems_of",
+    "sample_forever",
     "telemetry_of",
 ]

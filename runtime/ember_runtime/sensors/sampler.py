@@ -1,4 +1,4 @@
-"""Smoothing and sampling: per-sensor EWMA, several sources as one, a background sampler.
+"""Smoothing and sampling: per-sensor EWMA, several sources as one, the one sampling loop.
 
 The EWMA is asymmetric on purpose ("fast attack, slow release", as in audio limiters and the
 kernel's step_wise governor reacting at trip points): a rising reading is weighted `rising`
@@ -11,17 +11,17 @@ Implausible readings are dropped by the readers before they get here.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from ember_runtime.contract.config import SensorSettings
 from ember_runtime.sensors.base import (
     SensorUnavailableError,
     TemperatureSource,
-    hottest,
+    describe_problems,
     problems_of,
     telemetry_of,
 )
@@ -180,67 +180,28 @@ def build_source(settings: SensorSettings) -> SmoothedSource:
     return SmoothedSource(CompositeSource(sources), ewma)
 
 
-@dataclass(frozen=True)
-class Sample:
-    temperatures: dict[str, float]
-    hottest_name: str | None
-    hottest_celsius: float | None
-    monotonic: float
+# What a sample hands on: the smoothed readings ({} when the read failed) and, when some sensor
+# cannot work, one line saying why (`describe_problems`).
+OnSample = Callable[[dict[str, float], str | None], None]
 
 
-class Sampler:
-    """Reads a source every `interval` seconds on a daemon thread; `latest` is the last sample.
+async def sample_forever(source: TemperatureSource, interval: float, on_sample: OnSample) -> None:
+    """The node side's one sampling loop (the runtime's governor, the node agent's condition):
+    until cancelled, every `interval` s, read `source` and hand the reading to `on_sample`.
 
-    A thread (not an asyncio task) so a slow source — `npu-smi` can take ~1 s — never blocks an
+    The read runs in a thread so a slow source — `npu-smi` can take ~1 s — never blocks the
     event loop; reads are serialised, so a slow read delays the next one instead of piling up.
-    """
-
-    def __init__(
-        self,
-        source: TemperatureSource,
-        interval: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if interval <= 0:
-            raise ValueError(f"sampling interval must be > 0, got {interval}")
-        self._source, self._interval, self._clock = source, interval, clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._latest: Sample | None = None
-
-    @property
-    def latest(self) -> Sample | None:
-        return self._latest
-
-    def sample_once(self) -> Sample:
-        temps = self._source.read()
-        top = hottest(temps)
-        sample = Sample(temps, top[0] if top else None, top[1] if top else None, self._clock())
-        self._latest = sample
-        return sample
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.sample_once()
-            except Exception:  # a broken sensor must not kill the sampler; keep trying
-                log.exception("temperature sample failed")
-            self._stop.wait(self._interval)
-
-    def start(self) -> Sampler:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="ember-sensors", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self._interval + 5)
-            self._thread = None
-
-    def __enter__(self) -> Sampler:
-        return self.start()
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
+    A broken sensor is "no reading" with a cause, never the end of the loop."""
+    if interval <= 0:
+        raise ValueError(f"sampling interval must be > 0, got {interval}")
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        try:
+            temps = await asyncio.to_thread(source.read)
+            problem = describe_problems(problems_of(source))
+        except Exception as exc:  # a broken sensor must not take serving down: no reading
+            log.exception("temperature read failed")
+            temps, problem = {}, f"{type(source).__name__}: {exc}"
+        on_sample(temps, problem)
+        await asyncio.sleep(max(0.0, interval - (loop.time() - started)))

@@ -21,14 +21,17 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
+from pydantic import ValidationError
 
+from ember_runtime import termination
 from ember_runtime.contract import reasons
 from ember_runtime.engines.base import EngineUnavailableError
 from ember_runtime.heap import freeze_startup_heap
 from ember_runtime.memory import MemoryLimitError
+from ember_runtime.prewarm.manifest import resolve_model_path
 from ember_runtime.server.app import create_app
 from ember_runtime.server.preflight import preflight
-from ember_runtime.server.settings import load_settings, resolve_model_path
+from ember_runtime.server.settings import load_settings
 from ember_runtime.server.state import AppState
 
 log = logging.getLogger("ember_runtime.server")
@@ -60,14 +63,12 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _write_termination_log(path: str, reason: str, detail: str) -> None:
-    # Outside Kubernetes there is no termination log; stderr has the message anyway.
-    with contextlib.suppress(OSError):
-        reasons.write_termination_message(path, reason, detail)
-
-
 def main(argv: list[str] | None = None) -> int:
-    settings = load_settings(argv)
+    try:
+        settings = load_settings(argv)
+    except (ValidationError, OSError) as exc:  # a bad flag, variable or config file: say which
+        print(f"invalid runtime settings:\n{exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = settings.model_path
         if config.engine.kind == "llamacpp":
-            model = resolve_model_path(config, model)
+            model = resolve_model_path(config, explicit=model)
             # Refuse now, with the reason in the termination message (the pod's Degraded
             # reason), rather than be OOM-killed once the KV cache fills up under load.
             preflight(config, model, Path(os.environ.get(CGROUP_ROOT_ENV, "/sys/fs/cgroup")))
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(exc, MemoryLimitError)
             else reasons.RUNTIME_START_FAILED
         )
-        _write_termination_log(config.termination_log, reason, str(exc))
+        termination.report(config.termination_log, reason, str(exc), who="runtime")
         return 2
     uv_config = uvicorn.Config(
         app,
@@ -111,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     freeze_startup_heap()
     server.run()
     if not server.started:
-        _write_termination_log(
-            config.termination_log, reasons.RUNTIME_START_FAILED, "the server did not start"
+        termination.report(
+            config.termination_log,
+            reasons.RUNTIME_START_FAILED,
+            "the server did not start",
+            who="runtime",
         )
         return 1
     return 0

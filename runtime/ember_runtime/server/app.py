@@ -13,15 +13,16 @@ from fastapi import FastAPI
 
 from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.engines.base import Engine, StepObserver
+from ember_runtime.kube import ConditionPatcher, Endpoint, pod_status_path
+from ember_runtime.prewarm.manifest import resolve_model_path
 from ember_runtime.sensors import TemperatureSource, build_source, telemetry_of
 from ember_runtime.server import admin, embeddings, errors, routes
 from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.middleware import BodyLimit, RequestCounter
-from ember_runtime.server.settings import read_api_key, resolve_model_path
+from ember_runtime.server.settings import read_api_key
 from ember_runtime.server.state import AppState
 from ember_runtime.thermal import control
 from ember_runtime.thermal.governor import Governor
-from ember_runtime.thermal.kube import ConditionPatcher, Endpoint, pod_status_path
 from ember_runtime.thermal.reporter import ConditionReporter
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def build_engine(
 
     modes = config.engine.llamacpp_modes()
     return LlamaCppEngine(
-        resolve_model_path(config, model_path),
+        resolve_model_path(config, explicit=model_path),
         context_length=config.engine.context_length,
         capacity=config.engine.max_batch_size,
         threads=config.engine.threads,
@@ -73,7 +74,7 @@ def _embedder(
     from ember_runtime.engines.embedding import LlamaCppEmbedder  # noqa: PLC0415
 
     return LlamaCppEmbedder(
-        resolve_model_path(config, model_path),
+        resolve_model_path(config, explicit=model_path),
         context_length=config.engine.context_length,
         capacity=config.engine.max_batch_size,
         threads=config.engine.threads,

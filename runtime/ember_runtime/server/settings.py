@@ -8,11 +8,14 @@ environment (`EMBER_PORT`, `EMBER_THREADS`, ...) < command-line flags.
 
 from __future__ import annotations
 
-import argparse
-import os
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from ember_runtime.contract.config import (
     CONFIG_ENV,
@@ -20,9 +23,8 @@ from ember_runtime.contract.config import (
     RuntimeConfig,
     load_config,
 )
-from ember_runtime.prewarm.manifest import resolve_model_path as prewarmed
 
-# flag/env name -> (section, camelCase field) in RuntimeConfig
+# Override -> (section, camelCase field) in RuntimeConfig.
 _OVERRIDES: dict[str, tuple[str, str]] = {
     "host": ("server", "host"),
     "port": ("server", "port"),
@@ -36,7 +38,38 @@ _OVERRIDES: dict[str, tuple[str, str]] = {
     "max_batch_size": ("engine", "maxBatchSize"),
     "sysfs_root": ("sensors", "sysfsRoot"),
 }
-_INTS = {"port", "max_queue", "max_body_bytes", "threads", "context_length", "max_batch_size"}
+
+
+class ServerSettings(BaseSettings):
+    """Ember's inference sidecar. Flags and EMBER_* variables override the config file."""
+
+    # As the node agent and device plugin take theirs. Unset overrides leave the config file's
+    # values alone; set ones are validated with the rest of the config by `RuntimeConfig` (one
+    # validation path for all three sources).
+
+    model_config = SettingsConfigDict(
+        env_prefix="EMBER_",
+        frozen=True,
+        cli_prog_name="python -m ember_runtime.server",
+        cli_kebab_case=True,
+        env_ignore_empty=True,
+        cli_hide_none_type=True,
+    )
+
+    config: Path | None = Field(default=None, description=f"RuntimeConfig YAML (${CONFIG_ENV})")
+    model: Path | None = Field(default=None, description="GGUF file to serve (default: config's)")
+    host: str | None = None
+    port: int | None = None
+    api_key_file: str | None = None
+    max_queue: int | None = None
+    request_timeout: float | None = None
+    max_body_bytes: int | None = None
+    engine: Literal["llamacpp", "tensorrt-llm"] | None = None
+    threads: int | None = None
+    context_length: int | None = None
+    max_batch_size: int | None = None
+    sysfs_root: str | None = None
+    log_level: str = "info"
 
 
 @dataclass(frozen=True)
@@ -47,78 +80,40 @@ class Settings:
     config_path: Path | None = None  # the file the thermal policy is reloaded from, if any
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m ember_runtime.server", description="Ember's inference sidecar."
-    )
-    p.add_argument("--config", type=Path, help=f"RuntimeConfig YAML (default ${CONFIG_ENV})")
-    p.add_argument("--model", type=Path, help="GGUF file to serve (default: the config's)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--api-key-file")
-    p.add_argument("--max-queue", type=int)
-    p.add_argument("--request-timeout", type=float)
-    p.add_argument("--max-body-bytes", type=int)
-    p.add_argument("--engine", choices=["llamacpp", "tensorrt-llm"])
-    p.add_argument("--threads", type=int)
-    p.add_argument("--context-length", type=int)
-    p.add_argument("--max-batch-size", type=int)
-    p.add_argument("--sysfs-root")
-    p.add_argument("--log-level", default=os.environ.get("EMBER_LOG_LEVEL", "info"))
-    return p
-
-
-def load_settings(argv: list[str] | None = None) -> Settings:
-    args = parser().parse_args(argv)
-    model: Path | None = args.model
-    base = _base_config(args.config, model)
+def load_settings(argv: Sequence[str] | None = None) -> Settings:
+    args = list(sys.argv[1:] if argv is None else argv)
+    flags = CliApp.run(ServerSettings, cli_args=args)
+    base = _base_config(flags.config, flags.model)
     data: dict[str, Any] = base.model_dump(mode="json", by_alias=True)
     for name, (section, key) in _OVERRIDES.items():
-        env = os.environ.get(f"EMBER_{name.upper()}")
-        if env is not None:
-            data[section][key] = int(env) if name in _INTS else env
-        flag = getattr(args, name)
-        if flag is not None:
-            data[section][key] = flag
-    config = RuntimeConfig.model_validate(data)  # one validation path for all three sources
+        value = getattr(flags, name)
+        if value is not None:
+            data[section][key] = value
+    config = RuntimeConfig.model_validate(data)
     return Settings(
         config=config,
-        model_path=model,
-        log_level=args.log_level,
-        config_path=_config_path(args.config),
+        model_path=flags.model,
+        log_level=flags.log_level,
+        config_path=_config_path(flags.config),
     )
 
 
 def _config_path(path: Path | None) -> Path | None:
-    env = os.environ.get(CONFIG_ENV)
+    """`--config` or `$EMBER_CONFIG` (both in `path`), else the mounted file if there is one."""
     if path is not None:
         return path
-    if env is not None:
-        return Path(env)
     return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
 
 
 def _base_config(path: Path | None, model: Path | None) -> RuntimeConfig:
-    env = os.environ.get(CONFIG_ENV)
-    if path is not None or env is not None or DEFAULT_CONFIG_PATH.exists():
-        return load_config(path)
+    found = _config_path(path)
+    if found is not None:
+        return load_config(found)
     if model is None:
         from ember_runtime.models import default_model_path  # noqa: PLC0415 - dev-only path
 
         model = default_model_path()
     return RuntimeConfig(model_name=model.stem, model_dir=str(model.parent))
-
-
-def resolve_model_path(config: RuntimeConfig, explicit: Path | None = None) -> Path:
-    """`--model`, else prewarm's copy or the source (prewarm decides), else a GGUF in model_dir."""
-    if explicit is not None:
-        return explicit
-    if config.files:
-        return prewarmed(config)
-    found = sorted(Path(config.model_dir).glob("*.gguf"))
-    if not found:
-        raise FileNotFoundError(f"no .gguf file in {config.model_dir} and none configured")
-    return found[0]
 
 
 def read_api_key(config: RuntimeConfig) -> str | None:

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from ember_runtime.contract.config import load_config
 from ember_runtime.contract.thermal import ThermalPolicy
-from ember_runtime.sensors.base import TemperatureSource, describe_problems, problems_of
+from ember_runtime.sensors.base import TemperatureSource
+from ember_runtime.sensors.sampler import sample_forever
 from ember_runtime.thermal.governor import Governor
 from ember_runtime.thermal.reporter import ConditionReporter
 
@@ -34,21 +35,15 @@ async def govern(
     reporter: ConditionReporter | None = None,
 ) -> None:
     """Until cancelled: every `interval` s, the hottest smoothed reading sets the batch limit."""
-    loop = asyncio.get_running_loop()
-    while True:
-        started = loop.time()
-        try:
-            temps = await asyncio.to_thread(source.read)
-            problem = describe_problems(problems_of(source))
-        except Exception as exc:  # a broken sensor must not take serving down: no reading
-            log.exception("temperature read failed")
-            temps, problem = {}, f"{type(source).__name__}: {exc}"
+
+    def step(temps: dict[str, float], problem: str | None) -> None:
         if on_sample is not None:
             on_sample(temps)
         state = governor.apply(max(temps.values()) if temps else None, problem)
         if reporter is not None:
             reporter.offer(state.reading())
-        await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
+
+    await sample_forever(source, interval, step)
 
 
 def read_policy(path: Path) -> ThermalPolicy | None:

@@ -6,8 +6,8 @@ Same llama.cpp commit and flags for both, so the benchmark compares servers, not
 builds. Both are cached under `${XDG_CACHE_HOME:-~/.cache}/ember/llama-server/`, keyed by the
 version and the flags, so a change to either rebuilds.
 
-    python bench/llama_server_build.py           # prints llama-server's path
-    python bench/llama_server_build.py --wheel   # prints the wheel's path
+    python images/llama_build.py           # prints llama-server's path
+    python images/llama_build.py --wheel   # prints the wheel's path
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The smallest Kubernetes client the node side needs: one strategic-merge patch of a condition.
+"""The node side's one Kubernetes client (the runtime's pod condition, the node agent's reads,
+watches, writes and node condition): GETs, watches and writes over httpx with the process's own
+ServiceAccount token.
 
-Why not the `kubernetes` package: the runtime writes one kind of request, and this keeps its
+Why not the `kubernetes` package: the node side makes a handful of requests, and this keeps its
 token handling explicit — the projected ServiceAccount token is re-read on every request,
 because the kubelet rotates it (bound tokens expire; the file is replaced before they do).
 
@@ -28,7 +30,7 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # Where the token and CA are, if not in a pod's usual place (a runtime run by hand on a node).
 SA_DIR_ENV = "EMBER_SERVICEACCOUNT_DIR"
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
-WATCH_SECONDS = 300  # the API server ends a watch after this; the reader starts the next one
+WATCH_SECONDS = 300  # the API server ends a watch after this; the caller starts the next one
 
 
 class ApiError(Exception):
@@ -37,6 +39,11 @@ class ApiError(Exception):
     def __init__(self, status: int, text: str) -> None:
         super().__init__(f"HTTP {status}: {text[:300]}")
         self.status = status
+
+
+# What a caller treats as "the API server is not there for us": it answered with an error
+# (a 403 from a misconfigured policy included), did not answer at all, or answered nonsense.
+API_ERRORS = (ApiError, httpx.HTTPError, ValueError, KeyError)
 
 
 @dataclass(frozen=True)
@@ -64,40 +71,17 @@ def node_status_path(name: str) -> str:
     return f"/api/v1/nodes/{name}/status"
 
 
-class ConditionPatcher:
-    """Patches one object's `status.conditions` with one condition (merged by type)."""
+class KubeClient:
+    """GETs, watches and writes with the process's own token (re-read each time: the kubelet
+    rotates it). `timeout` bounds connecting and each request; with `watches`, a read may stay
+    quiet for up to `WATCH_SECONDS` (then the API server ends the watch)."""
 
-    def __init__(self, endpoint: Endpoint, path: str, timeout: float = 5.0) -> None:
-        self._endpoint, self._path = endpoint, path
-        verify: ssl.SSLContext | bool = True
-        if endpoint.ca_file is not None:
-            verify = ssl.create_default_context(cafile=str(endpoint.ca_file))
-        self._http = httpx.AsyncClient(base_url=endpoint.server, verify=verify, timeout=timeout)
-
-    async def write(self, condition: dict[str, Any]) -> None:
-        token = self._endpoint.token_file.read_text().strip()  # re-read: rotated by the kubelet
-        body = json.dumps({"status": {"conditions": [condition]}})
-        resp = await self._http.patch(
-            self._path,
-            content=body,
-            headers={"Authorization": f"Bearer {token}", "Content-Type": STRATEGIC_MERGE},
-        )
-        if resp.status_code >= 300:
-            raise ApiError(resp.status_code, resp.text)
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-
-class KubeReader:
-    """GETs and watches with the agent's own token (re-read each time: the kubelet rotates it)."""
-
-    def __init__(self, endpoint: Endpoint, timeout: float = 10.0) -> None:
+    def __init__(self, endpoint: Endpoint, timeout: float = 10.0, *, watches: bool = True) -> None:
         self._endpoint = endpoint
         verify: ssl.SSLContext | bool = True
         if endpoint.ca_file is not None:
             verify = ssl.create_default_context(cafile=str(endpoint.ca_file))
-        timeout_cfg = httpx.Timeout(timeout, read=WATCH_SECONDS + 30)
+        timeout_cfg = httpx.Timeout(timeout, read=WATCH_SECONDS + 30 if watches else timeout)
         self._http = httpx.AsyncClient(base_url=endpoint.server, verify=verify, timeout=timeout_cfg)
 
     def _auth(self) -> dict[str, str]:
@@ -110,16 +94,26 @@ class KubeReader:
         data: dict[str, Any] = resp.json()
         return data
 
-    async def send(
-        self, method: str, path: str, body: dict[str, Any], content_type: str = "application/json"
-    ) -> dict[str, Any]:
-        """POST/PUT/PATCH one object; the API server's answer (the object as stored)."""
+    async def _request(
+        self, method: str, path: str, body: dict[str, Any], content_type: str
+    ) -> httpx.Response:
         headers = {**self._auth(), "Content-Type": content_type}
         resp = await self._http.request(method, path, content=json.dumps(body), headers=headers)
         if resp.status_code >= 300:
             raise ApiError(resp.status_code, resp.text)
-        data: dict[str, Any] = resp.json()
+        return resp
+
+    async def send(
+        self, method: str, path: str, body: dict[str, Any], content_type: str = "application/json"
+    ) -> dict[str, Any]:
+        """POST/PUT/PATCH one object; the API server's answer (the object as stored)."""
+        data: dict[str, Any] = (await self._request(method, path, body, content_type)).json()
         return data
+
+    async def patch_condition(self, path: str, condition: dict[str, Any]) -> None:
+        """One condition into `path`'s `status.conditions`, merged by type (see above)."""
+        body = {"status": {"conditions": [condition]}}
+        await self._request("PATCH", path, body, STRATEGIC_MERGE)
 
     async def watch(self, path: str, params: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
         query = {**params, "watch": "true", "timeoutSeconds": str(WATCH_SECONDS)}
@@ -134,5 +128,15 @@ class KubeReader:
         await self._http.aclose()
 
 
-# What a failed read of the API server raises: an error status, no answer, or a bad body.
-API_ERRORS = (ApiError, httpx.HTTPError, ValueError, KeyError)
+class ConditionPatcher:
+    """Patches one object's `status.conditions` with one condition (merged by type): the
+    `thermal.reporter`'s writer, for a pod (the runtime) or a node (the node agent)."""
+
+    def __init__(self, endpoint: Endpoint, path: str, timeout: float = 5.0) -> None:
+        self._client, self._path = KubeClient(endpoint, timeout, watches=False), path
+
+    async def write(self, condition: dict[str, Any]) -> None:
+        await self._client.patch_condition(self._path, condition)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
