@@ -44,7 +44,7 @@ from ember_runtime.engines.base import (
     StepObserver,
     StepStats,
 )
-from ember_runtime.engines.llamacpp import load_model, tokenize
+from ember_runtime.engines.llamacpp import free_native, load_model, tokenize
 from ember_runtime.gguf_header import read_header
 
 log = logging.getLogger(__name__)
@@ -253,15 +253,8 @@ class LlamaCppEmbedder:
         ll = self._ll
         if ll is None:
             return
-        if self._batch is not None:
-            ll.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            ll.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            ll.llama_model_free(self._model)
-            self._model = None
+        free_native(ll, self._batch, self._ctx, self._model)
+        self._batch = self._ctx = self._model = None
 
     # --- the Engine API (event loop side) ----------------------------------------------------
 

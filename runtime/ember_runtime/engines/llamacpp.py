@@ -158,6 +158,17 @@ def load_model(path: Path, *, gpu_layers: int, repack: bool) -> tuple[Any, Any]:
     return ll, model
 
 
+def free_native(ll: Any, batch: Any, ctx: Any, model: Any) -> None:
+    """Free what load_model and a context made, batch first, model last (shared by both
+    engines); None or NULL parts are skipped."""
+    if batch is not None:
+        ll.llama_batch_free(batch)
+    if ctx:
+        ll.llama_free(ctx)
+    if model:
+        ll.llama_model_free(model)
+
+
 def tokenize(ll: Any, vocab: Any, text: str, *, add_special: bool) -> list[int]:
     """`text` as token ids of `vocab` (special tokens in the text are parsed as such)."""
     data = text.encode()
@@ -621,15 +632,8 @@ class LlamaCppEngine:
         for chain in self._chains.values():
             chain.free(self._ctx)
         self._chains.clear()
-        if self._batch is not None:
-            ll.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            ll.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            ll.llama_model_free(self._model)
-            self._model = None
+        free_native(ll, self._batch, self._ctx, self._model)
+        self._batch = self._ctx = self._model = None
 
     # --- the Engine API (event loop side) ----------------------------------------------------
 
