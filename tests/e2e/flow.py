@@ -294,6 +294,9 @@ class Flow:
         manifest = self.model_manifest(name, namespace)
         manifest["spec"]["model"].update(task="embed", pooling="mean")
         manifest["spec"]["engine"].update(contextLength=512, maxBatchSize=4, minBatchSize=2)
+        # A quarter of a core: the 2-CPU node already holds the generating replica's whole CPU
+        # (CI: "Insufficient cpu" with the default of 1), and two short inputs need little.
+        manifest["spec"]["resources"] = {"requests": {"cpu": "250m"}}
         return manifest
 
     def apply(self, manifest: dict[str, Any]) -> None:
