@@ -201,7 +201,8 @@ async def closed_loop(url: str, clients: int, workload: str, seconds: float, ser
             turn = 0
             while time.perf_counter() < stop_at:
                 path, body = request_body(workload, serial, f"{serial}.{w}", turn)
-                done += not (await send(client, url, path, body)).error
+                outcome = await send(client, url, path, body)
+                done += not outcome.error  # after the await: `done += await ...` loses updates
                 turn += 1
 
         await asyncio.gather(*(worker(w) for w in range(clients)))
@@ -243,13 +244,18 @@ def measure_capacity(site: Site, workload: str, seconds: float) -> float:
     return sum(done)
 
 
-def gateway_counter(url: str, name: str) -> float:
-    """The sum of a counter's samples on the gateway's /metrics."""
-    total = 0.0
+def gateway_counters(url: str) -> dict[str, float]:
+    """The gateway's retries (all causes) and its attempts per replica (its address), from its
+    /metrics."""
+    counts: dict[str, float] = {"retries": 0.0}
     for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        value = line.rsplit(" ", 1)[-1]
+        if line.startswith("ember_gateway_retries_total{"):
+            counts["retries"] += float(value)
+        elif line.startswith("ember_gateway_replica_requests_total{"):
+            replica = line.partition('replica="')[2].partition('"')[0]
+            counts[replica] = counts.get(replica, 0.0) + float(value)
+    return counts
 
 
 def summarise(outcomes: list[Outcome], args: argparse.Namespace) -> dict[str, Any]:
@@ -282,10 +288,13 @@ def summarise(outcomes: list[Outcome], args: argparse.Namespace) -> dict[str, An
 def run_policy(
     site: Site, policy: str, workload: str, *, rate: float, seed: str, args: argparse.Namespace
 ) -> dict[str, Any]:
-    retries = gateway_counter(site.gateway, "ember_gateway_retries_total")
+    before = gateway_counters(site.gateway)
     outcomes = asyncio.run(open_loop(site, policy, workload, rate=rate, seed=seed, args=args))
     row = summarise(outcomes, args)
-    row["retries"] = gateway_counter(site.gateway, "ember_gateway_retries_total") - retries
+    after = gateway_counters(site.gateway)
+    row["retries"] = after["retries"] - before["retries"]
+    # where the gateway sent its attempts, replica 0 (the hot one in `hot`) first
+    row["gateway_attempts"] = [after.get(u, 0.0) - before.get(u, 0.0) for u in site.urls]
     print(
         f"  {workload:6} {policy:17} n={row['requests']:3} goodput {row['goodput_tok_s']:6.1f} "
         f"TTFT p50 {row['ttft_p50_s']:.3f} p99 {row['ttft_p99_s']:.3f} "
@@ -454,6 +463,9 @@ def render(out: dict[str, Any]) -> str:
                 f"| {_cell(runs, 'ttft_p99_s', 1e3)} | {_cell(runs, 'itl_p99_s', 1e3)} "
                 f"| {_errors(runs)} | {sum(r['retries'] for r in runs):.0f} |"
             )
+        per_run = [r["gateway_attempts"] for r in w["runs"]["gateway"]]
+        attempts = [f"{sum(col):.0f}" for col in zip(*per_run, strict=True)]
+        lines += ["", f"The gateway's attempts per replica (replica 0 first): {attempts}."]
     lines += ["", "## Goals", ""]
     for g in out["goals"]:
         ratios = ", ".join(f"{r:.2f}" for r in g["ratios"])
