@@ -29,9 +29,13 @@ nothing is retried on the client. Goodput counts the tokens of requests that met
 to the last completion. Each non-2xx status and transport error a client saw is counted;
 retries are the gateway's own counter (`ember_gateway_retries_total`) over the run.
 
-    python bench/gateway_bench.py [--threads 4] [--repeats 3] [--duration 12] [--smoke]
+    flock /tmp/ember-bench.lock .venv/bin/python bench/gateway_bench.py [--threads 4]
+        [--repeats 3] [--duration 12] [--workloads hot,shared] [--previous JSON] [--smoke]
 
-Writes `bench/results/gateway_bench.{md,json,png}` (`--out` another folder).
+Writes `bench/results/gateway_bench.{md,json,png}` (`--out` another folder); `--previous` keeps
+an earlier run's results of the workloads this one does not run. The defaults are sized for 16
+cores (`bench/gateway_bench_device.sh` runs it on the device machine's CPUs); the committed
+results ran on 2 cores with `--threads 1 --capacity 4 --duration 25` (docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -200,7 +204,8 @@ async def closed_loop(url: str, clients: int, workload: str, seconds: float, ser
             nonlocal done
             turn = 0
             while time.perf_counter() < stop_at:
-                path, body = request_body(workload, serial, f"{serial}.{w}", turn)
+                # each worker its own draw of system prompts: the same mix as the open loop's
+                path, body = request_body(workload, f"{serial}.{w}", f"{serial}.{w}", turn)
                 outcome = await send(client, url, path, body)
                 done += not outcome.error  # after the await: `done += await ...` loses updates
                 turn += 1
@@ -308,6 +313,7 @@ def run_workload(
     site: Site, workload: str, capacity: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     set_heat(site, workload == "hot", capacity)
+    load, steal = os.getloadavg(), steal_seconds()
     cap = measure_capacity(site, workload, args.capacity_seconds)
     rate = args.fraction * cap
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
@@ -323,6 +329,9 @@ def run_workload(
         "offered_req_s": rate,
         "batch_limits": batch_limits(site),
         "runs": runs,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "loadavg": [load[0], os.getloadavg()[0]],
+        "steal_seconds": steal_seconds() - steal,
     }
 
 
@@ -453,6 +462,9 @@ def render(out: dict[str, Any]) -> str:
             f"## {workload}: capacity {w['capacity_req_s']:.2f} req/s (batch limits "
             f"{w['batch_limits']}), offered {w['offered_req_s']:.2f} req/s",
             "",
+            f"Finished {w['date']}; load average {w['loadavg'][0]:.2f} before, "
+            f"{w['loadavg'][1]:.2f} after; steal {w['steal_seconds']:.1f} s.",
+            "",
             "| policy | goodput tok/s | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | non-2xx / errors "
             "| retries |",
             "|---|---|---|---|---|---|---|",
@@ -521,6 +533,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the packaged one)")
     ap.add_argument("--where", default="", help="a sentence on where it ran, for the report")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--previous", type=Path, help="keep this JSON's other workloads' results")
     ap.add_argument("--smoke", action="store_true", help="tiny: 1 thread, 1 repeat, 4 s runs")
     args = ap.parse_args()
     if args.smoke:
@@ -559,6 +572,8 @@ def main() -> None:
     began = {"loadavg": os.getloadavg(), "steal": steal_seconds()}
     site, gateway = start_site(args, work)
     workloads: dict[str, Any] = {}
+    if args.previous:  # an earlier run's workloads that this one does not run again
+        workloads = json.loads(args.previous.read_text())["workloads"]
     try:
         for workload in args.workloads.split(","):
             workloads[workload] = run_workload(site, workload, args.capacity, args)
