@@ -54,7 +54,10 @@ def free_port() -> int:
 
 
 def start(argv: list[str], ready: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}/runtime:{ROOT}/operator:{ROOT}"}
+    # the caller's path stays behind the checkout's (where the packages are not a venv's, e.g.
+    # the device machine's carried wheels)
+    paths = [f"{ROOT}/runtime", f"{ROOT}/operator", str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -64,12 +64,14 @@ def start_runtime(
     preexec: Callable[[], None] | None = None,
     ready_timeout: float = 180.0,
     poll: float = 0.2,
+    max_queue: int | None = None,
 ) -> RuntimeProcess:
     """`env` extra variables, e.g. POD_NAME/POD_NAMESPACE/KUBERNETES_SERVICE_HOST and
     EMBER_SERVICEACCOUNT_DIR to have it report its condition to a real API server. `nvml`: the
     NVML sensor on, as the operator renders it for `accelerator: nvidia-gpu`. `model`: another
     GGUF than the packaged one; `preexec` runs in the child before exec (bench/prewarm_bench.py
-    moves it into a throttled cgroup); returns once /readyz answers 200, polled every `poll` s."""
+    moves it into a throttled cgroup); `max_queue`: requests waiting beyond the batch before 429
+    (the server's default where None); returns once /readyz answers 200, polled every `poll` s."""
     model = model or default_model_path()
     key_file = None
     if api_key is not None:
@@ -89,6 +91,7 @@ def start_runtime(
             port=port,
             api_key_file=str(key_file) if key_file else None,
             request_timeout_seconds=120,
+            **({"max_queue": max_queue} if max_queue is not None else {}),
         ),
         sensors=SensorSettings(
             sysfs_root=str(sysfs_root),
