@@ -14,8 +14,6 @@ import base64
 import os
 import shutil
 import struct
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from gguf import GGUFReader
 
 from tests.runtime.conftest import CONTEXT, LiveServer, make_config, start_live
 from tests.runtime.test_memory import fake_cgroup
+from tests.support.server_exit import refused_start
 
 SENTENCES = [
     "The cat sat on the mat.",
@@ -344,22 +343,10 @@ def test_the_runtime_refuses_to_start_without_a_pooling(model_path: Path, tmp_pa
     )
     path = tmp_path / "config.yaml"
     path.write_text(config.to_yaml())
-    env = {k: v for k, v in os.environ.items() if k != "EMBER_CONFIG"}
-    done = subprocess.run(
-        [sys.executable, "-m", "ember_runtime.server", "--config", str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 2, done.stderr
-    parsed = reasons.parse_termination_message(log.read_text())
-    assert parsed is not None
-    reason, detail = parsed
+    reason, detail, stderr = refused_start(path, log, dict(os.environ))
     assert reason == reasons.RUNTIME_START_FAILED
     assert "set spec.model.pooling to mean, cls or last" in detail
-    assert "embedding engine ready" not in done.stderr  # refused before loading the model
+    assert "embedding engine ready" not in stderr  # refused before loading the model
 
 
 def test_the_memory_check_counts_every_token_as_an_output(model_path: Path, tmp_path: Path) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,8 @@ from ember_runtime import memory
 from ember_runtime.contract import reasons
 from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.server.preflight import preflight
+
+from tests.support.server_exit import refused_start
 
 MIB = 2**20
 
@@ -84,22 +84,11 @@ def test_runtime_refuses_to_start_under_a_small_limit(model_path: Path, tmp_path
         )
     )
     env = {**os.environ, "EMBER_CGROUP_ROOT": str(fake_cgroup(tmp_path / "cg", str(256 * MIB)))}
-    env.pop("EMBER_CONFIG", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "ember_runtime.server", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 2, done.stderr
-    parsed = reasons.parse_termination_message(log.read_text())
-    assert parsed is not None and "\n" not in log.read_text().rstrip("\n")
-    reason, detail = parsed
+    reason, detail, stderr = refused_start(config, log, env)
+    assert "\n" not in log.read_text().rstrip("\n")
     assert reason == reasons.ENGINE_MEMORY_OVER_LIMIT and detail.startswith("memory: needs ")
     assert "container limit is 256 MiB" in detail
-    assert "llama.cpp engine ready" not in done.stderr  # refused before loading the model
+    assert "llama.cpp engine ready" not in stderr  # refused before loading the model
 
 
 def test_offload_splits_by_layer() -> None:
