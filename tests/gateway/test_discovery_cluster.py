@@ -132,7 +132,7 @@ def _scenario(kube: Kube, ns: str, tmp: Path, *, here: str, there: str, site: st
     proxy.restore()
     endpoint = Endpoint(f"https://127.0.0.1:{proxy.port}", sa / "token", sa / "ca.crt")
     try:
-        asyncio.run(_discover(kube, ns, endpoint, site=site, pod_ips=pod_ips, proxy=proxy))
+        asyncio.run(_discover(kube, ns, endpoint, site=site, pod_ips=pod_ips, proxy=proxy, tmp=tmp))
     finally:
         proxy.cut()
 
@@ -157,10 +157,23 @@ def _least_privilege(kube: Kube, sa: Path, ns: str) -> None:
 
 
 async def _discover(
-    kube: Kube, ns: str, endpoint: Endpoint, *, site: str, pod_ips: dict[str, str], proxy: TcpProxy
+    kube: Kube,
+    ns: str,
+    endpoint: Endpoint,
+    *,
+    site: str,
+    pod_ips: dict[str, str],
+    proxy: TcpProxy,
+    tmp: Path,
 ) -> None:
+    snapshot = tmp / "routes.json"
+
+    def gateway(fleet: Fleet) -> asyncio.Task[None]:
+        discovery = KubeDiscovery(KubeClient(endpoint, timeout=3.0), ns, "", site, snapshot)
+        return asyncio.create_task(discovery.run(fleet, GatewayMetrics()))
+
     fleet, metrics = Fleet(Policy()), GatewayMetrics()
-    discovery = KubeDiscovery(KubeClient(endpoint, timeout=3.0), ns, "", site)
+    discovery = KubeDiscovery(KubeClient(endpoint, timeout=3.0), ns, "", site, snapshot)
     task = asyncio.create_task(discovery.run(fleet, metrics))
     try:
         await until(
@@ -182,6 +195,14 @@ async def _discover(
         await asyncio.sleep(4)  # longer than a retry: the watches failed and were retried
         assert fleet.routes["beta"].backends == beta.backends  # the last known set serves
         assert fleet.routes["alpha"] == alpha
+        assert snapshot.stat().st_mode & 0o777 == 0o600  # it holds alpha's key
+        restarted = Fleet(Policy())  # a gateway restarted while the API server is away
+        again = gateway(restarted)
+        try:
+            await until(lambda: restarted.routes == fleet.routes, 5, "restarted: no routes")
+        finally:
+            again.cancel()
+            await asyncio.gather(again, return_exceptions=True)
 
         proxy.restore()  # back: the watch lists again and sees what changed meanwhile
         await until(lambda: not fleet.routes["beta"].backends, 30, "the deletion never arrived")

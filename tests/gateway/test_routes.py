@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 from ember_runtime.gateway.proxy import prefix_text
-from ember_runtime.gateway.routes import build, load_static
+from ember_runtime.gateway.routes import (
+    Backend,
+    ModelRoute,
+    build,
+    dumps,
+    load_static,
+    loads,
+    save_snapshot,
+)
 
 
 def deployment(name: str, model: str, created: str, **server: Any) -> dict[str, Any]:
@@ -98,3 +106,18 @@ def test_prefix_text_of_each_request_kind() -> None:
     assert prefix_text(chat) == "system:S\nuser:U\n"
     assert prefix_text({"messages": "not a list"}) == ""
     assert prefix_text({"prompt": {"odd": 1}}) == ""
+
+
+def test_a_snapshot_gives_back_the_routes_it_was_made_of(tmp_path: Path) -> None:
+    routes = {
+        "alpha": ModelRoute(
+            "alpha", "ns/alpha", "k3y", (Backend("ns/a-0", "http://10.0.0.1:8080"),)
+        ),
+        "beta": ModelRoute("beta", "ns/beta", None, ()),
+    }
+    path = tmp_path / "routes.json"
+    save_snapshot(path, dumps(routes))
+    assert loads(path.read_bytes()) == routes
+    assert path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ValueError, match="not a"):
+        loads(b'{"version": "other", "models": []}')

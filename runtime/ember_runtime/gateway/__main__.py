@@ -33,6 +33,12 @@ def parser() -> argparse.ArgumentParser:
         default=_env("STATIC") or None,
         help="a routes file instead of the API server (routes.load_static)",
     )
+    p.add_argument(
+        "--snapshot",
+        type=Path,
+        default=_env("SNAPSHOT") or None,
+        help="keep the last known routes here, for a restart while the API server is away",
+    )
     p.add_argument("--probe-interval", type=float, default=float(_env("PROBE_INTERVAL", "0.4")))
     p.add_argument("--probe-timeout", type=float, default=float(_env("PROBE_TIMEOUT", "0.5")))
     p.add_argument("--upstream-timeout", type=float, default=float(_env("UPSTREAM_TIMEOUT", "600")))
@@ -54,7 +60,11 @@ def main(argv: list[str] | None = None) -> None:
         discover: Runner = static(args.static)
     elif args.namespace:
         discover = KubeDiscovery(
-            KubeClient(Endpoint.in_cluster()), args.namespace, args.selector, args.site
+            KubeClient(Endpoint.in_cluster()),
+            args.namespace,
+            args.selector,
+            args.site,
+            snapshot=args.snapshot,
         ).run
     else:
         raise SystemExit("--namespace (the API server) or --static (a routes file) is required")

@@ -9,6 +9,10 @@ Every watch event rebuilds the routes (`routes.build`) and hands them to the fle
 Offline: when the API server stops answering, the watches fail and are retried every few
 seconds; the fleet keeps the last routes it was given, and its probes keep taking replicas out
 and putting them back, so the site keeps serving for as long as the control plane is away.
+With a `snapshot` file (the chart's: an in-memory emptyDir, which outlives a container restart
+but not the pod), every change of the routes is written there, and a gateway that starts is
+given those routes until its first list answers: a gateway restarted while the API server is
+away still serves the site.
 """
 
 from __future__ import annotations
@@ -41,9 +45,15 @@ def static(path: Path) -> Callable[[Fleet, GatewayMetrics], Coroutine[Any, Any, 
 
 class KubeDiscovery:
     def __init__(
-        self, reader: KubeClient, namespace: str, selector: str = "", site: str = ""
+        self,
+        reader: KubeClient,
+        namespace: str,
+        selector: str = "",
+        site: str = "",
+        snapshot: Path | None = None,
     ) -> None:
         self.reader, self.namespace, self.selector, self.site = reader, namespace, selector, site
+        self.snapshot, self._saved = snapshot, b""
         self.deployments: dict[str, dict[str, Any]] = {}
         self.pods: dict[str, dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
@@ -66,6 +76,7 @@ class KubeDiscovery:
                     "/api/v1/nodes", {"labelSelector": f"{SITE_LABEL}={self.site}"}, self.nodes
                 )
             )
+        self._restore(fleet)
         tasks = [asyncio.create_task(w) for w in watches]
         try:
             while True:
@@ -88,6 +99,33 @@ class KubeDiscovery:
             )
         metrics.conflicts.set(len(conflicts))
         fleet.update(served)
+        self._save(served)
+
+    def _restore(self, fleet: Fleet) -> None:
+        if self.snapshot is None or not self.snapshot.exists():
+            return
+        try:
+            self._saved = self.snapshot.read_bytes()
+            routes = routing.loads(self._saved)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning(
+                "the routes snapshot %s is unreadable (%s): starting empty", self.snapshot, exc
+            )
+            return
+        fleet.update(routes)
+        log.info(
+            "serving %d models from %s until the API server answers", len(routes), self.snapshot
+        )
+
+    def _save(self, served: dict[str, routing.ModelRoute]) -> None:
+        """On change only: a watch event that moves nothing writes nothing."""
+        if self.snapshot is None or (data := routing.dumps(served)) == self._saved:
+            return
+        try:
+            routing.save_snapshot(self.snapshot, data)
+            self._saved = data
+        except OSError as exc:
+            log.warning("writing the routes snapshot %s: %s", self.snapshot, exc)
 
     async def _read_keys(self) -> None:
         """The API key of every InferenceDeployment, read again on each change (a rotated key

@@ -15,12 +15,16 @@ change where the first one's traffic goes.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ember_runtime.contract.cache import INSTANCE_LABEL
+from ember_runtime.durable import fsync_dir, write_all
+
+SNAPSHOT_VERSION = "ember.dev/gateway-routes.v1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,3 +144,45 @@ def load_static(path: Path) -> dict[str, ModelRoute]:
         backends = tuple(Backend(str(url), str(url).rstrip("/")) for url in entry["replicas"])
         routes[name] = ModelRoute(name, f"static/{name}", api_key, backends)
     return routes
+
+
+def dumps(routes: Mapping[str, ModelRoute]) -> bytes:
+    """The last known routes as a snapshot (`loads` reads it back)."""
+    models = [
+        {
+            "name": r.name,
+            "owner": r.owner,
+            "apiKey": r.api_key,
+            "backends": [{"key": b.key, "url": b.url} for b in r.backends],
+        }
+        for r in sorted(routes.values(), key=lambda r: r.name)
+    ]
+    return json.dumps({"version": SNAPSHOT_VERSION, "models": models}, indent=1).encode()
+
+
+def loads(data: bytes) -> dict[str, ModelRoute]:
+    doc = json.loads(data)
+    if doc.get("version") != SNAPSHOT_VERSION:
+        raise ValueError(f"not a {SNAPSHOT_VERSION} snapshot: {doc.get('version')!r}")
+    routes: dict[str, ModelRoute] = {}
+    for m in doc["models"]:
+        backends = tuple(Backend(str(b["key"]), str(b["url"])) for b in m["backends"])
+        key = m.get("apiKey")
+        routes[str(m["name"])] = ModelRoute(
+            str(m["name"]), str(m["owner"]), str(key) if key else None, backends
+        )
+    return routes
+
+
+def save_snapshot(path: Path, data: bytes) -> None:
+    """Write-then-rename, owner-only (it holds API keys): a crash leaves the old file or the
+    new one, never half of either."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
