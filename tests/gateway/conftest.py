@@ -225,12 +225,16 @@ def generations(server: LiveServer) -> float:
     return total
 
 
-def prompt_preferring(keys: list[str], want: str, tail: str = "") -> str:
-    """A prompt (longer than min_prefix) whose prefix hashes to `want` first on the ring."""
+def prompt_preferring(keys: list[str], want: str, tail: str = "", chat: bool = False) -> str:
+    """A prompt (longer than min_prefix) whose prefix hashes to `want` first on the ring; with
+    `chat`, as the one user message of a chat request (the gateway's prefix is then the
+    rendered messages)."""
     from ember_runtime.gateway.policy import ring_order
+    from ember_runtime.gateway.proxy import prefix_text
 
     for i in range(10_000):
         prompt = f"Case {i}. You are a careful assistant who answers in one short line. {tail}"
-        if ring_order(keys, prompt[: POLICY.prefix_chars])[0] == want:
+        text = prefix_text({"messages": [{"role": "user", "content": prompt}]}) if chat else prompt
+        if ring_order(keys, text[: POLICY.prefix_chars])[0] == want:
             return prompt
     raise AssertionError("no prompt found")

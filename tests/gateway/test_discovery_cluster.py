@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -16,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from ember_runtime.gateway.discovery import KubeDiscovery
 from ember_runtime.gateway.fleet import Fleet
 from ember_runtime.gateway.metrics import GatewayMetrics
@@ -24,57 +22,15 @@ from ember_runtime.gateway.policy import Policy
 from ember_runtime.kube import Endpoint, KubeClient
 from kubernetes import client
 
-from tests.cluster.build import ensure_binaries
-from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest
+from tests.cluster.fleet import create_nodes, node_manifest
 from tests.conftest import Kube
+from tests.gateway.kube_site import gateway_rbac, gateway_token, ips, pod
 from tests.operator.conftest import crd
 from tests.operator.specs import manifest
-from tests.thermal.kube_support import CHART, TcpProxy, api_server, kubectl_apply, token_dir
+from tests.thermal.kube_support import TcpProxy, api_server, kubectl_apply
 
 pytestmark = pytest.mark.cluster
 __all__ = ["crd"]  # the fixture
-SA = "ember-gateway"
-
-
-def gateway_rbac(namespace: str, site: str) -> list[dict[str, Any]]:
-    argv = [str(ensure_binaries() / "helm"), "template", "ember", str(CHART), "-n", namespace,
-            "--kube-version", "1.36.3", "--show-only", "templates/gateway.yaml",
-            "--set", "gateway.enabled=true", "--set", f"gateway.sites[0].name={site}",
-            "--set", "gateway.apiKeySecrets={alpha-key}"]  # fmt: skip
-    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
-    docs = [d for d in yaml.safe_load_all(out) if d]
-    return [d for d in docs if d["kind"] not in ("Deployment", "Service")]
-
-
-def pod(name: str, instance: str, node: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": {"ember.dev/instance": instance}},
-        "spec": {
-            "nodeName": node,
-            "tolerations": [SIM_TOLERATION],
-            "containers": [{"name": "runtime", "image": "ember-runtime:never"}],
-        },
-    }
-
-
-def ips(kube: Kube, namespace: str, names: list[str], timeout: float = 60) -> dict[str, str]:
-    """The pods' IPs once kwok has made them Ready."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found: dict[str, str] = {}
-        for name in names:
-            got: Any = kube.core.read_namespaced_pod(name, namespace)
-            ready = any(
-                c.type == "Ready" and c.status == "True" for c in got.status.conditions or []
-            )
-            if ready and got.status.pod_ip:
-                found[name] = got.status.pod_ip
-        if len(found) == len(names):
-            return found
-        assert time.monotonic() < deadline, f"kwok never made {names} ready: {found}"
-        time.sleep(0.5)
 
 
 async def until(check: Callable[[], bool], timeout: float, what: str) -> None:
@@ -104,12 +60,8 @@ def _scenario(kube: Kube, ns: str, tmp: Path, *, here: str, there: str, site: st
             metadata=client.V1ObjectMeta(name=name), string_data={"key": value}
         )
         kube.core.create_namespaced_secret(ns, secret)
-    kubectl_apply(kube, gateway_rbac(ns, site), tmp)
-    request = client.AuthenticationV1TokenRequest(
-        spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
-    )
-    answer: Any = kube.core.create_namespaced_service_account_token(SA, ns, request)
-    sa = token_dir(kube, str(answer.status.token), tmp / "sa")
+    kubectl_apply(kube, gateway_rbac(ns, site, ("alpha-key",)), tmp)
+    sa = gateway_token(kube, ns, tmp / "sa")
     key_ref = {"apiKeySecretRef": {"name": "alpha-key", "key": "key"}, "port": 8081}
     for body in (manifest("alpha", server=key_ref), manifest("beta")):
         body["spec"]["model"]["name"] = body["metadata"]["name"]

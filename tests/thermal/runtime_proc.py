@@ -65,21 +65,26 @@ def start_runtime(
     ready_timeout: float = 180.0,
     poll: float = 0.2,
     max_queue: int | None = None,
+    model_name: str = "gemma3-270m",
+    host: str = "127.0.0.1",
+    port: int | None = None,
 ) -> RuntimeProcess:
     """`env` extra variables, e.g. POD_NAME/POD_NAMESPACE/KUBERNETES_SERVICE_HOST and
     EMBER_SERVICEACCOUNT_DIR to have it report its condition to a real API server. `nvml`: the
     NVML sensor on, as the operator renders it for `accelerator: nvidia-gpu`. `model`: another
     GGUF than the packaged one; `preexec` runs in the child before exec (bench/prewarm_bench.py
     moves it into a throttled cgroup); `max_queue`: requests waiting beyond the batch before 429
-    (the server's default where None); returns once /readyz answers 200, polled every `poll` s."""
+    (the server's default where None); `model_name`: the served name; `host`/`port`: where it
+    listens (another loopback address stands in for a pod IP; a free port where None); returns
+    once /readyz answers 200, polled every `poll` s."""
     model = model or default_model_path()
     key_file = None
     if api_key is not None:
         key_file = workdir / "api-key"
         key_file.write_text(api_key)
-    port = free_port()
+    port = port or free_port()
     config = RuntimeConfig(
-        model_name="gemma3-270m",
+        model_name=model_name,
         model_dir=str(model.parent),
         engine=EngineSettings(
             max_batch_size=max_batch,
@@ -87,7 +92,7 @@ def start_runtime(
             threads=threads,
         ),
         server=ServerSettings(
-            host="127.0.0.1",
+            host=host,
             port=port,
             api_key_file=str(key_file) if key_file else None,
             request_timeout_seconds=120,
@@ -125,7 +130,7 @@ def start_runtime(
             env={**os.environ, **(env or {})},
             preexec_fn=preexec,  # noqa: PLW1509 (the caller starts no threads first)
         )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     running = RuntimeProcess(proc, url, log)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
