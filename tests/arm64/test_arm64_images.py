@@ -1,8 +1,9 @@
 """The arm64 images, built here and run under qemu-user-static (tests.arm64.proof).
 
-The proof takes minutes under emulation, so it is opt-in: `EMBER_ARM64_PROOF=1` (or
-`make arm64-proof`, which also writes bench/results/arm64.*). It rebuilds from the current tree
-with buildah's layer cache (seconds to a few minutes once the images exist), then runs them.
+The proof is opt-in, `EMBER_ARM64_PROOF=1` (or `make arm64-proof`, which also writes
+bench/results/arm64.*): it rebuilds the images from the current tree with buildah's layer cache
+and runs them, 1 min here when nothing changed and 9 min after a change to Ember's code (each
+image's pip install reruns under qemu), too slow for every `make test`.
 Without qemu's aarch64 binfmt handler it skips and says what is missing. The build-path tests
 below need no emulation and always run.
 """
