@@ -9,6 +9,8 @@ PY       := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
 APT_PKGS := containerd runc containernetworking-plugins debootstrap iproute2 \
             iptables util-linux gcc g++ libc6-dev cmake buildah
+# `make arm64-proof` only: emulation to run arm64 images, the cross toolchain for llama.cpp.
+ARM64_APT_PKGS := qemu-user-static binfmt-support gcc-aarch64-linux-gnu g++-aarch64-linux-gnu
 # llama.cpp is compiled once (≈6 min) into a wheel cached by version and compiler flags
 # (images/llama_build.py --wheel); pip must install that wheel, never its own build.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
@@ -31,10 +33,11 @@ endif
 endif
 
 .PHONY: help install apt protos test test-unit lint crds crds-check cluster-build cluster-up \
-        cluster-down cluster-status demo bench drills e2e e2e-kind clean llama-server images push
+        cluster-down cluster-status demo bench drills e2e e2e-kind clean llama-server images push \
+        arm64-proof
 
 help: ## this list
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
 
 apt: ## Debian packages the local cluster needs (root)
 	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -76,6 +79,13 @@ images: ## build every image in images/ with buildah: REGISTRY=… TAG=… PLATF
 
 push: images ## buildah push each image to $(REGISTRY)/ember-<name>:$(TAG) (after `buildah login`)
 	$(IMAGE_PY) -m images.build push $(IMAGE_ARGS)
+
+arm64-proof: install ## build the images for linux/arm64 here and run them under qemu (→ bench/results/arm64.*)
+	@$(MAKE) --no-print-directory apt APT_PKGS='$(ARM64_APT_PKGS)'
+	@# A VM without systemd leaves binfmt_misc unmounted, and then no handler is registered.
+	@[ -e /proc/sys/fs/binfmt_misc/register ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+	@[ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || update-binfmts --enable qemu-aarch64
+	$(PY) -m tests.arm64.proof --build --write-results
 
 cluster-build: install ## build/cache Kubernetes, kwok, helm and the local images
 	$(PY) -m tests.cluster build

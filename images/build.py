@@ -9,7 +9,9 @@ Two users, one build path (`bud_argv`):
 - `make images` / `make push REGISTRY=...` for a real cluster: the same build, tagged
   `<registry>/<name>:<tag>` (the names the chart renders from `image.registry`/`image.tag`), for
   one `--platform` (e.g. linux/arm64 for Jetson/RK3588, emulated through qemu-user-static/binfmt
-  on an x86 host), then `buildah push` to `docker://<ref>`.
+  on an x86 host), then `buildah push` to `docker://<ref>`. For another architecture than the
+  host's, the runtime's llama.cpp is cross-compiled on the host (images/llama_build.py) and
+  handed to the build as a wheel: nothing is compiled under emulation.
 
 buildah is daemonless (no Docker engine needed); its layer cache keeps the slow llama.cpp
 compile to the first build. Everything runs as argv lists, never through a shell. Only the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform as host_platform
 import re
 import shlex
 import shutil
@@ -29,14 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from images.llama_build import CROSS, TARGET_CMAKE_ARGS, ensure_cross_wheel
+
 REPO = Path(__file__).resolve().parents[1]
 REGISTRY = "ember.local"
 TAG = "dev"
-# llama.cpp without -march=native needs its instruction-set baseline per architecture (see
-# images/runtime.Dockerfile); x86-64's default there is AVX2/FMA/F16C.
-LLAMA_CMAKE_ARGS = {
-    "arm64": "-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16",
-}
+HOST_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(host_platform.machine(), "")
+# The folder of the build context the runtime image takes a cross-built llama-cpp-python from.
+WHEELS = "images/wheels"
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,37 @@ IMAGES = (
 )
 
 
-def _local_base(dry_run: bool) -> str:
-    """The local cluster's Debian base (no registry needed), made by its harness and loaded
-    into buildah's store unless this is a dry run."""
-    from tests.cluster.images import BASE_IMAGE, ensure_base_in_buildah  # noqa: PLC0415 - venv
+def target_arch(platform: str | None) -> str:
+    """`linux/arm64` → `arm64`; no platform: the host's."""
+    if not platform:
+        return HOST_ARCH
+    return platform.split("/")[1] if "/" in platform else platform
 
-    return BASE_IMAGE if dry_run else ensure_base_in_buildah()
+
+def _local_base(dry_run: bool, arch: str) -> str:
+    """The local cluster's Debian base for `arch` (no registry needed; debootstrap --arch for
+    another architecture), made by its harness and loaded into buildah's store unless this is
+    a dry run."""
+    from tests.cluster.images import base_image, ensure_base_in_buildah  # noqa: PLC0415 - venv
+
+    return base_image(arch) if dry_run else ensure_base_in_buildah(arch)
+
+
+def cross_built(image: EmberImage, arch: str) -> bool:
+    """Whether this image's llama.cpp is cross-compiled on the host rather than in the build."""
+    return image.name == "ember-runtime" and arch != HOST_ARCH and arch in CROSS
+
+
+def stage_cross_wheel(arch: str) -> Path:
+    """Cross-compile llama-cpp-python for `arch` (cached) and put it alone in the build
+    context's images/wheels/<arch>/, which the runtime build installs it from."""
+    wheel = ensure_cross_wheel(arch)
+    folder = REPO / WHEELS / arch
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.whl"):
+        old.unlink()
+    shutil.copy2(wheel, folder / wheel.name)
+    return folder / wheel.name
 
 
 def _ca_secret() -> list[str]:
@@ -78,11 +106,16 @@ def _ca_secret() -> list[str]:
 def bud_argv(image: EmberImage, ref: str, base: str | None, platform: str | None) -> list[str]:
     """`buildah bud` for one image. `base` None: the Dockerfile's own (public) base image."""
     argv = ["buildah", "bud", "--quiet", "--layers", "--network", "host"]
+    arch = target_arch(platform)
     if platform:
         argv += ["--platform", platform]
-        arch = platform.split("/")[1] if "/" in platform else platform
-        if image.name == "ember-runtime" and arch in LLAMA_CMAKE_ARGS:
-            argv += ["--build-arg", f"LLAMA_CMAKE_ARGS={LLAMA_CMAKE_ARGS[arch]}"]
+    if cross_built(image, arch):
+        # pip must take the staged wheel (stage_cross_wheel), never compile under emulation.
+        for arg in (f"LLAMA_WHEELS={WHEELS}/{arch}", "LLAMA_PIP_ARGS=--only-binary=:all:"):
+            argv += ["--build-arg", arg]
+        argv += ["--build-arg", "BUILD_PACKAGES="]
+    elif image.name == "ember-runtime" and arch in TARGET_CMAKE_ARGS:
+        argv += ["--build-arg", f"LLAMA_CMAKE_ARGS={TARGET_CMAKE_ARGS[arch]}"]
     if base:
         argv += ["--build-arg", f"BASE_IMAGE={base}"]
     return [*argv, *_ca_secret(), "-f", image.dockerfile, "-t", ref, "."]
@@ -145,8 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _run(push, args.dry_run)
             continue
         base = args.base_image or None
+        arch = target_arch(args.platform)
         if base == "local":
-            base = _local_base(args.dry_run)
+            base = _local_base(args.dry_run, arch)
+        if cross_built(image, arch) and not args.dry_run:
+            stage_cross_wheel(arch)
         _run(bud_argv(image, ref, base, args.platform or None), args.dry_run)
     return 0
 

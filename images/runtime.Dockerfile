@@ -8,6 +8,10 @@
 #   x86-64 (default): AVX2/FMA/F16C, what every x86 edge server of the last decade has.
 #   arm64 (Jetson Orin, RK3588): --build-arg LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16"
 #   and build with `docker buildx build --platform linux/arm64` (emulated or on an arm64 builder).
+#   `make images PLATFORM=linux/arm64` instead cross-compiles llama.cpp on the host with those
+#   flags (images/llama_build.py) and hands the wheel in: LLAMA_WHEELS, a folder of the build
+#   context pip takes llama-cpp-python from, LLAMA_PIP_ARGS=--only-binary=llama-cpp-python so it
+#   never falls back to compiling under emulation, and BUILD_PACKAGES empty (no compiler needed).
 # NVIDIA GPUs (llama.cpp's CUDA backend, `runtimeGpuImage` in the chart): BUILD_IMAGE a CUDA
 # devel image, RUN_IMAGE the matching CUDA runtime image, LLAMA_CMAKE_ARGS with
 # -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=...; exact commands for x86-64 and Jetson in
@@ -20,20 +24,26 @@ FROM ${BUILD_IMAGE} AS build
 # A build behind a TLS-intercepting proxy passes its CA bundle as the optional secret `pip-ca`
 # (`--secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt`); without it pip uses its own.
 ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+ARG BUILD_PACKAGES="gcc g++ make cmake"
+ARG LLAMA_WHEELS=images/wheels/none
+ARG LLAMA_PIP_ARGS=""
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 CMAKE_BUILD_PARALLEL_LEVEL=2
 # CUDA and L4T bases have no Python: the distribution's, which the run stage installs too (the
 # venv links to it by path).
-RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc g++ make cmake \
- && if ! python3 -m venv --help >/dev/null 2>&1; then \
-      DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv; \
-    fi \
- && rm -rf /var/lib/apt/lists/*
+RUN pkgs="${BUILD_PACKAGES}"; \
+    if ! python3 -m venv --help >/dev/null 2>&1; then pkgs="$pkgs python3 python3-venv"; fi; \
+    if [ -n "$pkgs" ]; then \
+      apt-get update \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $pkgs \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 RUN python3 -m venv /opt/ember
+COPY ${LLAMA_WHEELS}/ /wheels/
 # Its own layer: the llama.cpp compile (minutes) is cached while Ember's code changes.
 RUN --mount=type=secret,id=pip-ca \
     if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
-    CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" /opt/ember/bin/pip install llama-cpp-python==0.3.36
+    CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" /opt/ember/bin/pip install --find-links /wheels \
+      ${LLAMA_PIP_ARGS} llama-cpp-python==0.3.36
 COPY pyproject.toml README.md /src/
 COPY operator /src/operator
 COPY runtime /src/runtime

@@ -4,7 +4,8 @@ No registry is reachable here, so images are assembled locally and imported into
 - `pause`: the kubelet's sandbox image, a ~20-line static C program (the upstream pause.c idea:
   sleep until SIGINT/SIGTERM, reap zombies).
 - `base`: a Debian rootfs made by `debootstrap` (minbase + python3), the base for Ember's own
-  images (see images/ and the e2e issue).
+  images (see images/ and the e2e issue). For another architecture (`arm64`, the images of
+  `make arm64-proof`) `debootstrap --arch` runs its second stage under qemu-user-static/binfmt.
 Both are written as docker-archive tarballs (manifest.json + config + one layer), which
 `ctr images import` names from their RepoTags. Results are cached by content in the cache dir.
 """
@@ -31,6 +32,14 @@ BASE_IMAGE = "ember.local/base:bookworm"
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = os.environ.get("EMBER_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "procps", "iproute2")
+# Debian's name for this machine's architecture (also the OCI one for amd64/arm64).
+HOST_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+
+
+def base_image(arch: str = HOST_ARCH) -> str:
+    """The base's name: the host's keeps its plain tag, another architecture's is suffixed."""
+    return BASE_IMAGE if arch == HOST_ARCH else f"{BASE_IMAGE}-{arch}"
+
 
 PAUSE_C = r"""
 #include <signal.h>
@@ -55,11 +64,13 @@ def images_dir() -> Path:
     return path
 
 
-def write_docker_archive(layer_tar: Path, out: Path, ref: str, config: dict[str, object]) -> Path:
+def write_docker_archive(
+    layer_tar: Path, out: Path, ref: str, config: dict[str, object], arch: str = HOST_ARCH
+) -> Path:
     """Wrap one uncompressed layer tar into a docker-archive that `ctr images import` names."""
     diff_id = "sha256:" + sha256_file(layer_tar)
     image_config = {
-        "architecture": "amd64" if os.uname().machine == "x86_64" else "arm64",
+        "architecture": arch,
         "os": "linux",
         "config": config,
         "rootfs": {"type": "layers", "diff_ids": [diff_id]},
@@ -98,10 +109,11 @@ def build_pause() -> Path:
     return out
 
 
-def _debootstrap(rootfs: Path) -> None:
-    log(f"debootstrap {DEBIAN_SUITE} ({', '.join(BASE_PACKAGES)}) — a few minutes, once")
+def _debootstrap(rootfs: Path, arch: str) -> None:
+    log(f"debootstrap {DEBIAN_SUITE} {arch} ({', '.join(BASE_PACKAGES)}) — a few minutes, once")
     cmd = [
         "debootstrap",
+        f"--arch={arch}",
         "--variant=minbase",
         f"--include={','.join(BASE_PACKAGES)}",
         DEBIAN_SUITE,
@@ -122,27 +134,29 @@ def _tar_rootfs(rootfs: Path, layer: Path) -> None:
     )
 
 
-def base_tar() -> Path:
-    """The base image's cache file, keyed by what goes into it."""
-    key = hashlib.sha256(f"{DEBIAN_SUITE} {BASE_PACKAGES}".encode()).hexdigest()[:12]
+def base_tar(arch: str = HOST_ARCH) -> Path:
+    """The base image's cache file, keyed by what goes into it (the host's key predates arch)."""
+    what = f"{DEBIAN_SUITE} {BASE_PACKAGES}" + ("" if arch == HOST_ARCH else f" {arch}")
+    key = hashlib.sha256(what.encode()).hexdigest()[:12]
     return images_dir() / f"base-{key}.tar"
 
 
-def build_base() -> Path:
-    out = base_tar()
+def build_base(arch: str = HOST_ARCH) -> Path:
+    out = base_tar(arch)
     if out.exists():
         return out
     if shutil.which("debootstrap") is None:
         raise SystemExit("debootstrap is required (apt-get install debootstrap)")
-    work = images_dir() / "base-build"
+    work = images_dir() / f"base-build-{arch}"
     shutil.rmtree(work, ignore_errors=True)
     rootfs = work / "rootfs"
     rootfs.mkdir(parents=True)
-    _debootstrap(rootfs)
+    _debootstrap(rootfs, arch)
     layer = work / "layer.tar"
     _tar_rootfs(rootfs, layer)
     env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"]
-    write_docker_archive(layer, out, BASE_IMAGE, {"Env": env, "Cmd": ["/bin/sh"]})
+    config: dict[str, object] = {"Env": env, "Cmd": ["/bin/sh"]}
+    write_docker_archive(layer, out, base_image(arch), config, arch)
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -151,18 +165,20 @@ def ensure_images() -> list[Path]:
     return [build_pause(), build_base()]
 
 
-def ensure_base_in_buildah() -> str:
-    """The local Debian base (debootstrap), loaded into buildah's store once; its name."""
+def ensure_base_in_buildah(arch: str = HOST_ARCH) -> str:
+    """The local Debian base (debootstrap) for `arch`, loaded into buildah's store once; its
+    name."""
     present = subprocess.run(
         ["buildah", "images", "--format", "{{.Name}}:{{.Tag}}"],
         capture_output=True,
         text=True,
         check=False,
     ).stdout.split()
-    if BASE_IMAGE not in present and f"localhost/{BASE_IMAGE}" not in present:
-        pull = ["buildah", "pull", "-q", f"docker-archive:{build_base()}"]
+    ref = base_image(arch)
+    if ref not in present and f"localhost/{ref}" not in present:
+        pull = ["buildah", "pull", "-q", f"docker-archive:{build_base(arch)}"]
         subprocess.run(pull, check=True, capture_output=True)
-    return BASE_IMAGE
+    return ref
 
 
 if __name__ == "__main__":
