@@ -144,7 +144,7 @@ def test_a_broken_sensors_reading_still_makes_a_report() -> None:
         None,
         None,
     ]
-    gov = Governor(ThermalPolicy(), 16, lambda _: None)
+    gov = Governor(ThermalPolicy().limits(16), lambda _: None)
     assert gov.apply(6553.5).reading() == ThermalReading("Critical", 1000, 4, 16)
 
 

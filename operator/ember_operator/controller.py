@@ -104,8 +104,7 @@ def _observe(
     except ValidationError as exc:  # the CRD should make this impossible; never crash-loop
         problem = render.Problem("InvalidSpec", str(exc)[:512])
         return Observation(deployment=None, pods=[], problems=[problem])
-    thermal = status.thermal_of(pods, plan.adaptive, plan.spec.engine.max_batch_size)
-    return Observation(deployment, pods, plan.problems, plan.spec.replicas, thermal)
+    return Observation(deployment, pods, plan.problems, plan.spec.replicas, plan.adaptive)
 
 
 def refresh(ctx: Context, key: Key, indexes: Mapping[str, Any], logger: Any) -> None:

@@ -195,24 +195,18 @@ def _fake_sysfs(settings: OperatorSettings) -> bool:
     return settings.sensors_sysfs_root.rstrip("/") not in ("", "/sys")
 
 
-def config_data(
-    spec: InferenceDeploymentSpec, settings: OperatorSettings, sizing: Sizing
-) -> dict[str, str]:
+def config_data(config: RuntimeConfig, sizing: Sizing) -> dict[str, str]:
     return {
-        "config.yaml": runtime_config(spec, settings, sizing).to_yaml(),
+        "config.yaml": config.to_yaml(),
         "sizing.yaml": dump_yaml(sizing.as_dict(), sort_keys=True),
     }
 
 
-def restart_hash(spec: InferenceDeploymentSpec, settings: OperatorSettings, sizing: Sizing) -> str:
-    """The pod template's config hash: the config without its thermal policy, which running
-    runtimes reload from the mounted file (a policy change must not restart replicas)."""
-    return config_hash(
-        {
-            "config.yaml": runtime_config(spec, settings, sizing).restart_relevant_yaml(),
-            "sizing.yaml": dump_yaml(sizing.as_dict(), sort_keys=True),
-        }
-    )
+def restart_hash(config: RuntimeConfig, data: dict[str, str]) -> str:
+    """The pod template's config hash over the ConfigMap's `data`, with the config less its
+    thermal policy, which running runtimes reload from the mounted file (a policy change must
+    not restart replicas)."""
+    return config_hash({**data, "config.yaml": config.restart_relevant_yaml()})
 
 
 def runtime_identity(namespace: str, settings: OperatorSettings) -> list[dict[str, Any]]:
@@ -463,7 +457,8 @@ def render(
 ) -> list[dict[str, Any]]:
     """Every child manifest for one InferenceDeployment, in apply order."""
     name = owner.name
-    data = config_data(spec, settings, sizing)
+    config = runtime_config(spec, settings, sizing)  # once: the ConfigMap and the hash read it
+    data = config_data(config, sizing)
     volumes, runtime_mounts, prewarm_mounts = _volumes_and_mounts(spec, settings, name, sizing)
     prewarm_memory = quantity.ceil_mib(sizing.shared_memory_bytes + PREWARM_OVERHEAD_BYTES)
     context = {
@@ -487,7 +482,7 @@ def render(
         "sizing": sizing,
         "image": runtime_image(spec, settings),
         "config_data": data,
-        "pod_annotations": pod_annotations(spec, restart_hash(spec, settings, sizing)),
+        "pod_annotations": pod_annotations(spec, restart_hash(config, data)),
         "node_selector": dict(spec.placement.node_selector),
         "affinity": affinity(spec),
         "tolerations": [

@@ -219,22 +219,32 @@ class Thermal:
     throttled: Mapping[str, Any]  # the Throttled condition, without times
 
 
-def thermal_of(pods: Iterable[Mapping[str, Any]], adaptive: bool, max_batch: int) -> Thermal:
+def thermal_of(pods: Iterable[Mapping[str, Any]], adaptive: bool) -> Thermal:
     """Fold the replicas' own reports (pod summaries) into the object's thermal status. What
     each governor decided (its batch, its capacity, its reason) is taken as reported, never
-    worked out again here; `max_batch` (the spec's) only words the all-clear message."""
+    worked out again here, and the spec's maximum is not brought back up to compare with:
+    `adaptive` (whether the spec asks for a policy at all) is the one spec value used."""
     live = sorted(
         (str(p["pod"]), p["thermal"]) for p in pods if not p.get("deleting") and p.get("thermal")
     )
     replicas = {pod: _replica_fields(reading) for pod, reading in live}
     temps = [r.temperature_celsius for _, r in live if r.temperature_celsius is not None]
-    return Thermal(replicas, max(temps, default=None), _throttled(live, adaptive, max_batch))
+    return Thermal(replicas, max(temps, default=None), _throttled(live, adaptive))
 
 
 Report = tuple[str, ThermalReading]  # (pod, its decoded report)
 
 
-def _throttled(live: list[Report], adaptive: bool, max_batch: int) -> dict[str, str]:
+def _full_batch(live: list[Report]) -> str:
+    """The all-clear message, with the capacities the replicas report (two during a rollout
+    that changes engine.maxBatchSize; none before the first report)."""
+    sizes = sorted({r.capacity for _, r in live if r.capacity is not None})
+    if not sizes:
+        return "all replicas run at their max batch"
+    return "all replicas run at max batch " + " or ".join(str(s) for s in sizes)
+
+
+def _throttled(live: list[Report], adaptive: bool) -> dict[str, str]:
     if not adaptive or any(r.reason == REASON_POLICY_OFF for _, r in live):
         return {
             "type": THROTTLED,
@@ -245,7 +255,7 @@ def _throttled(live: list[Report], adaptive: bool, max_batch: int) -> dict[str, 
     reduced = [(pod, r) for pod, r in live if r.reduced]
     if not reduced:
         blind = any(r.reason == REASON_SENSOR_UNAVAILABLE for _, r in live)
-        message = f"all replicas run at max batch {max_batch}{_sensor_problems(live)}"
+        message = _full_batch(live) + _sensor_problems(live)
         return {
             "type": THROTTLED,
             "status": "False",

@@ -86,7 +86,9 @@ class Observation:
     pods: list[Mapping[str, Any]]
     problems: list[render.Problem]
     desired: int = 0
-    thermal: status.Thermal | None = None
+    # Whether the spec asks for a thermal policy; None (the spec cannot be read): the thermal
+    # status stays what it is. The replicas' reports themselves ride in `pods`.
+    adaptive: bool | None = None
 
 
 def _now() -> str:
@@ -115,15 +117,16 @@ class StatusWriter:
             old = (
                 cached[1] if cached and cached[0] == meta["uid"] else dict(body.get("status") or {})
             )
+            pods = status.with_kubelet_events(obs.pods, self.kubelet.of(key))
             built = status.build_status(
                 status.Observed(
                     generation=int(meta.get("generation", 0)),
                     desired=obs.desired,
                     deployment=obs.deployment,
-                    pods=status.with_kubelet_events(obs.pods, self.kubelet.of(key)),
+                    pods=pods,
                     problems=obs.problems,
                     selector=render.selector_string(meta["name"]),
-                    thermal=obs.thermal,
+                    thermal=None if obs.adaptive is None else status.thermal_of(pods, obs.adaptive),
                 ),
                 old,
                 _now(),

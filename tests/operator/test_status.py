@@ -345,7 +345,7 @@ def test_thermal_of_folds_the_replicas_own_conditions() -> None:
         pod("b", ThermalReading("Normal", 60, 16, 16)),
         pod("c", None),  # not reported yet
     ]
-    thermal = status.thermal_of(pods, adaptive=True, max_batch=16)
+    thermal = status.thermal_of(pods, adaptive=True)
     assert thermal.hottest_celsius == 84
     assert thermal.replicas == {
         "a": {"temperatureCelsius": 84, "maxBatchSize": 13},
@@ -355,7 +355,7 @@ def test_thermal_of_folds_the_replicas_own_conditions() -> None:
     assert thermal.throttled["message"] == "a at 84 °C: batch 13/16"
     st = status.compute_status(_obs(pods=pods, thermal=thermal), {}, NOW)
     assert (st["hottestCelsius"], st["maxBatchSize"]) == (84, 13)
-    off = status.thermal_of(pods, adaptive=False, max_batch=16)
+    off = status.thermal_of(pods, adaptive=False)
     assert off.throttled["reason"] == "ThermalPolicyOff"
 
 
@@ -376,7 +376,7 @@ def test_a_replica_without_a_sensor_says_why_in_throttled() -> None:
         },
     }
     pods = [status.pod_summary(body)]
-    thermal = status.thermal_of(pods, adaptive=True, max_batch=16)
+    thermal = status.thermal_of(pods, adaptive=True)
     assert thermal.throttled == {
         "type": "Throttled",
         "status": "False",
@@ -413,7 +413,7 @@ def test_the_pod_index_keeps_the_decoded_report_and_drops_a_forged_one() -> None
     ]
     pods = [_reporting_pod(f"f{i}", cond) for i, cond in enumerate(forged)]
     assert [p["thermal"] for p in pods] == [None, None, None]
-    thermal = status.thermal_of(pods, adaptive=True, max_batch=16)
+    thermal = status.thermal_of(pods, adaptive=True)
     assert (thermal.replicas, thermal.hottest_celsius) == ({}, None)
 
 
@@ -424,13 +424,11 @@ def test_throttled_is_what_each_governor_decided_not_the_spec() -> None:
 
     old = _reporting_pod("old", thermal_condition(ThermalReading("Throttled", 84, 13, 16), NOW))
     full = _reporting_pod("new", thermal_condition(ThermalReading("Normal", 60, 32, 32), NOW))
-    thermal = status.thermal_of([old, full], adaptive=True, max_batch=32)
+    thermal = status.thermal_of([old, full], adaptive=True)
     assert thermal.throttled["status"] == "True"
     assert thermal.throttled["message"] == "old at 84 °C: batch 13/16"
     cool = _reporting_pod("old", thermal_condition(ThermalReading("Normal", 60, 16, 16), NOW))
-    assert status.thermal_of([cool, full], adaptive=True, max_batch=32).throttled["status"] == (
-        "False"
-    )
+    assert status.thermal_of([cool, full], adaptive=True).throttled["status"] == ("False")
 
 
 def _waiting_pod(pod: str, node: str, message: str, state: str = "running") -> dict[str, Any]:

@@ -26,7 +26,7 @@ class Clock:
 
 def governor(clock: Clock | None = None, capacity: int = 16) -> tuple[Governor, list[int]]:
     pushed: list[int] = []
-    gov = Governor(POLICY, capacity, pushed.append, clock or Clock())
+    gov = Governor(POLICY.limits(capacity), pushed.append, clock or Clock())
     return gov, pushed
 
 

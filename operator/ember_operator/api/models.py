@@ -13,7 +13,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from ember_runtime.contract.thermal import DEFAULT_MAX_BATCH_SIZE, DEFAULTS, MAX_BATCH
+from ember_runtime.contract.thermal import DEFAULT_MAX_BATCH_SIZE, DEFAULTS, Batch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
@@ -327,16 +327,12 @@ class EngineSpec(Wire):
         default=2048, ge=64, le=1_048_576, description="Context window in tokens."
     )
     # The defaults are Ember's one set (ember_runtime.contract.thermal), as the runtime's.
-    max_batch_size: int = Field(
+    max_batch_size: Batch = Field(
         default=DEFAULT_MAX_BATCH_SIZE,
-        ge=1,
-        le=MAX_BATCH,
         description="Largest batch the thermal controller may allow.",
     )
-    min_batch_size: int = Field(
+    min_batch_size: Batch = Field(
         default=DEFAULTS.min_batch_size,
-        ge=1,
-        le=MAX_BATCH,
         description="Smallest batch the thermal controller may shrink to.",
     )
     threads: int | None = Field(

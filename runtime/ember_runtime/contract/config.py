@@ -23,7 +23,7 @@ from pydantic import Field, model_validator
 from ember_runtime.contract.cache import VIEW_DATA
 from ember_runtime.contract.thermal import (
     DEFAULT_MAX_BATCH_SIZE,
-    MAX_BATCH,
+    Batch,
     BatchLimits,
     ThermalPolicy,
 )
@@ -81,10 +81,8 @@ def fetch_from_spec(model: Any) -> ModelFetch | None:
 class EngineSettings(Wire):
     kind: Literal["llamacpp", "tensorrt-llm"] = "llamacpp"
     context_length: int = Field(default=2048, ge=64)
-    max_batch_size: int = Field(
+    max_batch_size: Batch = Field(
         default=DEFAULT_MAX_BATCH_SIZE,
-        ge=1,
-        le=MAX_BATCH,
         description="Capacity: sequences the engine allocates for; the thermal policy's ceiling.",
     )
     threads: int = Field(default=1, ge=1)

@@ -52,6 +52,9 @@ MAX_DETAIL = 300
 # a sensor's error text, however odd, can never end the human part early), behind this prefix.
 REPORT_PREFIX = "ember.dev/thermal.v1 "
 MAX_BATCH = 256  # the CRD's bound on engine.maxBatchSize
+# A batch size wherever it travels: the spec's engine.maxBatchSize/minBatchSize, the runtime
+# config's, the policy's floor, a report's batch and capacity. One type, one set of bounds.
+Batch = Annotated[int, Field(ge=1, le=MAX_BATCH)]
 
 # ----------------------------------------------------------------------------- defaults
 DEFAULT_MAX_BATCH_SIZE = 16
@@ -76,7 +79,7 @@ class ThermalPolicy(Wire):
     """
 
     adaptive: bool = Field(default=True, description="False: always serve at maxBatchSize.")
-    min_batch_size: int = Field(default=DEFAULT_MIN_BATCH_SIZE, ge=1, le=MAX_BATCH)
+    min_batch_size: Batch = DEFAULT_MIN_BATCH_SIZE
     throttle_celsius: float = 78.0
     critical_celsius: float = 90.0
     celsius_per_step: float = Field(default=2.0, gt=0)
@@ -171,7 +174,6 @@ class BatchLimits:
 
 
 # ----------------------------------------------------------------------------- the report
-Batch = Annotated[int, Field(ge=1, le=MAX_BATCH)]
 # A report's temperature range: wider than any device runs, narrower than a broken sensor's
 # garbage (sysfs has been seen to say 6553 °C), which is reported as the bound it passes.
 MIN_CELSIUS, MAX_CELSIUS = -273, 1000

@@ -132,8 +132,14 @@ def create_app(
     )
     # Smoothed (EWMA: fast attack, slow release) and NVML / npu-smi when configured.
     source = sensor or build_source(config.sensors)
-    state.governor = Governor(config.thermal, chosen.state().capacity, chosen.set_max_batch_size)
     report = reporter if reporter is not None else pod_reporter(config)
+    # The engine was built for engine.maxBatchSize; the governor gets the same typed value
+    # (the policy applied to it), not the engine's answer about itself.
+    state.governor = Governor(
+        config.limits(),
+        chosen.set_max_batch_size,
+        report=report.offer if report is not None else None,
+    )
 
     def on_sample(temps: dict[str, float]) -> None:
         state.temperatures = temps
@@ -152,7 +158,6 @@ def create_app(
                     state.governor,
                     config.sensors.interval_seconds,
                     on_sample=on_sample,
-                    reporter=report,
                 )
             )
         ]

@@ -1,6 +1,7 @@
-"""The runtime's thermal tasks: sample → govern → report, and reload the policy from the
-mounted ConfigMap. Both run on the server's event loop; sensor reads go to a thread (npu-smi
-can take a second)."""
+"""The runtime's thermal tasks: sample → govern, and reload the policy from the mounted
+ConfigMap. Both run on the server's event loop; sensor reads go to a thread (npu-smi can take a
+second). The governor reports its own decisions (its `report` callback): nothing here carries
+the batch or the reading onward."""
 
 from __future__ import annotations
 
@@ -32,16 +33,13 @@ async def govern(
     interval: float,
     *,
     on_sample: Callable[[dict[str, float]], None] | None = None,
-    reporter: ConditionReporter | None = None,
 ) -> None:
     """Until cancelled: every `interval` s, the hottest smoothed reading sets the batch limit."""
 
     def step(temps: dict[str, float], problem: str | None) -> None:
         if on_sample is not None:
             on_sample(temps)
-        state = governor.apply(max(temps.values()) if temps else None, problem)
-        if reporter is not None:
-            reporter.offer(state.reading())
+        governor.apply(max(temps.values()) if temps else None, problem)
 
     await sample_forever(source, interval, step)
 
@@ -70,7 +68,6 @@ async def reload_policy(
         if policy is None or policy == current:
             continue
         current = policy
-        state = governor.set_policy(policy)
-        if reporter is not None:
+        if reporter is not None:  # before the governor reports under the new policy
             reporter.band_celsius = policy.celsius_per_step
-            reporter.offer(state.reading())
+        governor.set_policy(policy)

@@ -6,6 +6,12 @@ policy from the ConfigMap turns it into a limit, and the engine gets it before t
 step. `PUT /admin/batch` sets a manual override that can lower the limit (never raise it above
 the policy's value at the current temperature) until it expires; the policy alone decides again
 at the first sample after that.
+
+The governor is handed the config's `BatchLimits` (`RuntimeConfig.limits()`: the policy applied
+to `engine.maxBatchSize`, the one rendered ceiling) and nothing else about the batch: it does not
+ask the engine for its capacity nor take a ceiling of its own. Every decision it makes goes out
+through its two callbacks, the limit to the engine and the report (`ThermalReading`) to whoever
+writes the condition, so no caller carries its state onward.
 """
 
 from __future__ import annotations
@@ -66,17 +72,16 @@ class Governor:
 
     def __init__(
         self,
-        policy: ThermalPolicy,
-        capacity: int,
+        limits: BatchLimits,
         set_batch: Callable[[int], None],
         clock: Callable[[], float] = time.monotonic,
+        *,
+        report: Callable[[ThermalReading], None] | None = None,
     ) -> None:
-        self._capacity = capacity
-        self._set_batch, self._clock = set_batch, clock
+        self._set_batch, self._report, self._clock = set_batch, report, clock
         self._lock = threading.Lock()
-        # The engine's capacity (engine.maxBatchSize, the one rendered ceiling) bounds the policy.
-        self._limits = policy.limits(capacity)
-        self._batch = capacity  # in force
+        self._limits = limits
+        self._batch = limits.max_batch_size  # in force
         # The policy's own value, kept up to date under an override too, so the policy resumes
         # from its own hysteresis state (not from the override's value) when that expires.
         self._policy_batch = self._batch
@@ -89,15 +94,21 @@ class Governor:
     def limits(self) -> BatchLimits:
         return self._limits
 
+    @property
+    def capacity(self) -> int:
+        return self._limits.max_batch_size
+
     def set_policy(self, policy: ThermalPolicy) -> GovernorState:
+        """A reloaded `thermal:` section; the ceiling stays the engine's (a changed
+        `engine.maxBatchSize` restarts the pod: it is in the config hash)."""
         with self._lock:
-            self._limits = policy.limits(self._capacity)
+            self._limits = policy.limits(self.capacity)
         log.info("thermal policy reloaded: %s", policy.model_dump(by_alias=True))
         return self.apply(self._temp, self._sensor_problem)
 
     def set_override(self, batch: int, seconds: float) -> GovernorState:
-        if not 1 <= batch <= self._capacity:
-            raise ValueError(f"maxBatchSize must be within 1..{self._capacity}, got {batch}")
+        if not 1 <= batch <= self.capacity:
+            raise ValueError(f"maxBatchSize must be within 1..{self.capacity}, got {batch}")
         if not 0 < seconds <= MAX_OVERRIDE_SECONDS:
             raise ValueError(f"expiresInSeconds must be within (0, {MAX_OVERRIDE_SECONDS:.0f}]")
         with self._lock:
@@ -110,8 +121,9 @@ class Governor:
         return self.apply(self._temp, self._sensor_problem)
 
     def apply(self, temp: float | None, sensor_problem: str | None = None) -> GovernorState:
-        """One sample: decide the limit, hand it to the engine if it changed. `sensor_problem`:
-        why a configured sensor gave no reading (it goes into the reported state)."""
+        """One sample: decide the limit, hand it to the engine if it changed, and the state to
+        the reporter (which writes only what is worth a write). `sensor_problem`: why a
+        configured sensor gave no reading (it goes into the reported state)."""
         with self._lock:
             self._temp, self._sensor_problem = temp, sensor_problem
             override = self._override
@@ -130,6 +142,8 @@ class Governor:
         if changed:
             self._set_batch(wanted)  # outside the lock: the engine takes its own
             log.info("thermal: %s °C, batch %d -> %d", _fmt(temp), before, wanted)
+        if self._report is not None:
+            self._report(state.reading())
         return state
 
     def state(self) -> GovernorState:
@@ -143,7 +157,7 @@ class Governor:
         return GovernorState(
             temperature_celsius=self._temp,
             batch=self._batch,
-            capacity=self._capacity,
+            capacity=self.capacity,
             reason=reason,
             override=self._override,
             sensor_problem=self._sensor_problem,
