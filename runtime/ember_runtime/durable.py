@@ -21,3 +21,17 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def replace_file(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """`path` holds `data` after a crash or a power cut, or what it held before: never part of
+    either (a temporary name beside it, fsync, rename, fsync the folder)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -15,14 +15,13 @@ change where the first one's traffic goes.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ember_runtime.contract.cache import INSTANCE_LABEL
-from ember_runtime.durable import fsync_dir, write_all
+from ember_runtime.durable import replace_file
 
 SNAPSHOT_VERSION = "ember.dev/gateway-routes.v1"
 
@@ -175,14 +174,5 @@ def loads(data: bytes) -> dict[str, ModelRoute]:
 
 
 def save_snapshot(path: Path, data: bytes) -> None:
-    """Write-then-rename, owner-only (it holds API keys): a crash leaves the old file or the
-    new one, never half of either."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """Owner-only: it holds API keys."""
+    replace_file(path, data, 0o600)

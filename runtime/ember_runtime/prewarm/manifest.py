@@ -17,13 +17,12 @@ All shards of a split GGUF come from the same directory, which llama.cpp require
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ember_runtime.contract.config import ModelFile, RuntimeConfig
-from ember_runtime.durable import fsync_dir, write_all
+from ember_runtime.durable import fsync_dir, replace_file
 
 MANIFEST_NAME = ".ember-prewarm.json"
 MANIFEST_VERSION = 1
@@ -59,16 +58,7 @@ def read_manifest(target_dir: Path) -> Manifest | None:
 
 def write_manifest(target_dir: Path, manifest: Manifest) -> None:
     """Write the manifest atomically (temp name, fsync, rename, fsync the directory)."""
-    tmp = target_dir / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
-    data = manifest.model_dump_json(indent=2).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, target_dir / MANIFEST_NAME)
-    fsync_dir(target_dir)
+    replace_file(target_dir / MANIFEST_NAME, manifest.model_dump_json(indent=2).encode())
 
 
 def remove_manifest(target_dir: Path) -> None:
