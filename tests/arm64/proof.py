@@ -34,6 +34,7 @@ from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256, MODEL_SIZE_BYTES
 
 from images.build import IMAGES, REPO, EmberImage
 from tests.arm64.build import Timings, build_all, ref
+from tests.cluster.images import buildah_images
 
 BINFMT = Path("/proc/sys/fs/binfmt_misc/qemu-aarch64")
 RESULTS = REPO / "bench" / "results"
@@ -106,15 +107,8 @@ def missing_emulation() -> str | None:
 
 
 def missing_images() -> list[str]:
-    present = subprocess.run(
-        ["buildah", "images", "--format", "{{.Name}}:{{.Tag}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    return [
-        ref(i) for i in IMAGES if ref(i) not in present and f"localhost/{ref(i)}" not in present
-    ]
+    present = buildah_images()
+    return [ref(i) for i in IMAGES if ref(i) not in present]
 
 
 @contextmanager

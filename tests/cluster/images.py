@@ -165,17 +165,22 @@ def ensure_images() -> list[Path]:
     return [build_pause(), build_base()]
 
 
-def ensure_base_in_buildah(arch: str = HOST_ARCH) -> str:
-    """The local Debian base (debootstrap) for `arch`, loaded into buildah's store once; its
-    name."""
-    present = subprocess.run(
+def buildah_images() -> set[str]:
+    """name:tag of every image in buildah's store, with and without the `localhost/` it adds."""
+    listed = subprocess.run(
         ["buildah", "images", "--format", "{{.Name}}:{{.Tag}}"],
         capture_output=True,
         text=True,
         check=False,
     ).stdout.split()
+    return set(listed) | {n.removeprefix("localhost/") for n in listed}
+
+
+def ensure_base_in_buildah(arch: str = HOST_ARCH) -> str:
+    """The local Debian base (debootstrap) for `arch`, loaded into buildah's store once; its
+    name."""
     ref = base_image(arch)
-    if ref not in present and f"localhost/{ref}" not in present:
+    if ref not in buildah_images():
         pull = ["buildah", "pull", "-q", f"docker-archive:{build_base(arch)}"]
         subprocess.run(pull, check=True, capture_output=True)
     return ref
