@@ -1,9 +1,10 @@
 """The whole chain on a real cluster, as steps shared by `make demo`, `make e2e`, `make e2e-kind`.
 
     images → load into the node → node labelled as a site, fake NPU device nodes and a fake
-    thermal zone → helm install (operator + device plugin DaemonSet) → NPU capacity advertised
-    → model on the node → InferenceDeployment → prewarm verifies + loads → runtime Ready (with
-    its own ACL context) → streamed chat completion through the Service → heat the fake sensor
+    thermal zone → helm install (operator + device plugin DaemonSet + node agent, optionally
+    and the site gateway) → NPU capacity advertised → model on the node → InferenceDeployment
+    → prewarm verifies + loads → runtime Ready (with its own ACL context) → streamed chat
+    completion through the Service, and through the gateway's one URL → heat the fake sensor
     → batch lowered in `kubectl get infd` → cool → restored → helm uninstall leaves nothing
 
 Each step prints what it does and how long it took, so a first run (which builds images) never
@@ -68,7 +69,8 @@ REFUSED = re.compile(r"forbidden|(?<![,.:\d])\b403\b|not enough permissions", re
 # retry then gets through (CI saw 8 such lines within 5 ms of the e2e's API server restart).
 # Refusals that close to an outage are not the chart's RBAC; a missing grant keeps failing.
 OUTAGE_GRACE_SECONDS = 30.0
-_LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
+# Kopf's "[2026-12-04 18:36:53,403]"; the gateway's logging "2026-12-04 18:36:53,403 WARNING".
+_LOG_TIME = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\b")
 
 
 def refusals(log: str, outages: list[tuple[float, float]]) -> list[str]:
@@ -98,6 +100,31 @@ def timed(msg: str) -> Iterator[None]:
     start = time.monotonic()
     yield
     print(f"    done in {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """The release's site gateway (docs/gateway.md): one OpenAI URL for every model of a site."""
+
+    namespace: str  # the InferenceDeployments it serves
+    site: str = ""  # only replicas on this site's nodes, and it runs there (empty: any node)
+
+    @property
+    def service(self) -> str:
+        """Its Service (and Deployment): the chart's `<release>-gateway[-<site>]`."""
+        return f"{RELEASE}-gateway-{self.site}" if self.site else f"{RELEASE}-gateway"
+
+    def values(self) -> tuple[str, ...]:
+        # One replica asking a twentieth of a core: the 2-CPU node holds the model's replicas
+        # (a whole core and a quarter), and relaying a few requests costs little.
+        site = (f"gateway.sites[0].name={self.site}",) if self.site else ()
+        return (
+            "gateway.enabled=true",
+            f"gateway.namespace={self.namespace}",
+            *site,
+            "gateway.replicas=1",
+            "gateway.resources.requests.cpu=50m",
+        )
 
 
 class Target(Protocol):
@@ -144,13 +171,16 @@ class Flow:
         return proc.stdout
 
     # -- install ---------------------------------------------------------------------------
-    def install(self, extra_values: tuple[str, ...] = ()) -> None:
+    def install(self, extra_values: tuple[str, ...] = (), gateway: Gateway | None = None) -> None:
+        """Install (or upgrade) the chart; with `gateway`, the site gateway too. The gateway's
+        namespace must exist first: its Role lives there."""
         with timed("building Ember's images and loading them into the node"):
             sets = self.target.load_images()
         with timed(f"helm install {RELEASE} charts/ember (namespace {SYSTEM_NS})"):
             values = [
                 *self.target.helm_values(),
                 *extra_values,
+                *(gateway.values() if gateway else ()),
                 *(f"{k}={v}" for k, v in sets.items()),
             ]
             args = [
@@ -170,11 +200,14 @@ class Flow:
             self.run_helm(*args)
         with timed("rolling Ember's pods onto the freshly loaded images"):
             # Same tag, new image: nothing in the pod templates changed, so restart explicitly.
-            for workload in (
+            workloads = [
                 f"deploy/{RELEASE}-operator",
                 f"ds/{RELEASE}-deviceplugin",
                 f"ds/{RELEASE}-nodeagent",
-            ):
+            ]
+            if gateway is not None:
+                workloads.append(f"deploy/{gateway.service}")
+            for workload in workloads:
                 self.run_kubectl("-n", SYSTEM_NS, "rollout", "restart", workload)
                 self.run_kubectl(
                     "-n", SYSTEM_NS, "rollout", "status", workload, "--timeout=180s", timeout=200
@@ -184,11 +217,11 @@ class Flow:
         with timed(f"helm uninstall {RELEASE}"):
             self.run_helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait")
 
-    def refused_calls(self) -> list[str]:
-        """Lines of the operator's whole log (it runs on the chart's ServiceAccount) that say the
-        API server refused a call."""
+    def refused_calls(self, component: str = "operator") -> list[str]:
+        """Lines of a component's whole log (it runs on the chart's ServiceAccount for it) that
+        say the API server refused a call."""
         log = self.run_kubectl(
-            "logs", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=operator", "--tail=-1"
+            "logs", "-n", SYSTEM_NS, "-l", f"app.kubernetes.io/component={component}", "--tail=-1"
         )
         return refusals(log, self.api_outages)
 
@@ -471,6 +504,20 @@ class Flow:
     ) -> contextlib.AbstractContextManager[int]:
         return port_forward(self.kubectl, self.target.kubeconfig, service, namespace, port)
 
+    def wait_gateway(self, local_port: int, model: str, timeout: float = 60) -> list[str]:
+        """Until the gateway behind `local_port` lists `model` and is Ready (a replica of it
+        answers the gateway's probes); returns the models it lists."""
+        base = f"http://127.0.0.1:{local_port}"
+        listed: list[str] = []
+
+        def routed() -> bool:
+            listed[:] = [m["id"] for m in httpx.get(f"{base}/v1/models", timeout=5).json()["data"]]
+            return model in listed and httpx.get(f"{base}/readyz", timeout=5).status_code == 200
+
+        with timed(f"waiting for the gateway to route {model}"):
+            wait_for(f"the gateway routing {model}", routed, timeout, 0.2, tolerate=(Exception,))
+        return listed
+
     def chat(self, local_port: int, prompt: str, on_token: Callable[[str], None]) -> str:
         """A streamed /v1/chat/completions request (the model's chat template)."""
         messages = [{"role": "user", "content": prompt}]
@@ -536,6 +583,7 @@ class Flow:
             ),
             ("logs", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=operator", "--tail=60"),
             ("logs", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=deviceplugin"),
+            ("logs", "-n", SYSTEM_NS, "-l", "app.kubernetes.io/component=gateway", "--tail=40"),
             ("describe", "node"),
         ):
             parts.append(f"--- kubectl {' '.join(args)}\n" + self.run_kubectl(*args, check=False))

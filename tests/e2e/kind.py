@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from images.build import IMAGES, REGISTRY, TAG
-from tests.e2e.flow import MODEL_FILE, REPO, Flow, step, timed
+from tests.e2e.flow import MODEL_FILE, REPO, SITE, SYSTEM_NS, Flow, Gateway, step, timed
 
 CLUSTER = "ember-e2e"
 NODE = f"{CLUSTER}-control-plane"
@@ -76,11 +76,13 @@ def main() -> int:
     flow = Flow(target, helm="helm", kubectl="kubectl")
     try:
         flow.prepare_node()
-        flow.install(flow.fake_node_values())
+        gateway = Gateway("default", SITE)
+        flow.install(flow.fake_node_values(), gateway)
         flow.wait_npu_capacity()
         flow.apply(flow.model_manifest("gemma", "default", npu=True))
         flow.wait_ready("gemma", "default")
-        with flow.port_forward("gemma", "default", 8080) as port:
+        with flow.port_forward(gateway.service, SYSTEM_NS, 8080) as port:
+            flow.wait_gateway(port, "gemma-3-270m")
             text = flow.chat(port, "Name one primary colour.", lambda t: None)
         assert text.strip(), "empty completion"
         flow.heat_and_cool("gemma", "default")

@@ -1,6 +1,7 @@
-"""End to end on the real local cluster: Helm → operator + device plugin → prewarm → runtime →
-streamed chat → thermal loop → an embedding deployment → uninstall. The steps are
-tests/e2e/flow.py's, shared with `make demo` and `make e2e-kind`.
+"""End to end on the real local cluster: Helm → operator + device plugin + site gateway →
+prewarm → runtime → streamed chat (through the Service, and through the gateway's one URL) →
+thermal loop → an embedding deployment → uninstall. The steps are tests/e2e/flow.py's, shared
+with `make demo` and `make e2e-kind`.
 
 On failure the test output carries events, `describe` and pod logs (Flow.dumping).
 """
@@ -16,39 +17,58 @@ import httpx
 import pytest
 
 from tests.conftest import Kube, NodeHandle
-from tests.e2e.flow import COOL_CELSIUS, FAKE_NPUS, HOT_CELSIUS, RELEASE, SYSTEM_NS, Flow
+from tests.e2e.flow import (
+    COOL_CELSIUS,
+    FAKE_NPUS,
+    HOT_CELSIUS,
+    RELEASE,
+    SITE,
+    SYSTEM_NS,
+    Flow,
+    Gateway,
+)
 from tests.e2e.local import local_flow
 
 # The first test's setup builds Ember's images: the runtime's first build compiles llama.cpp.
 pytestmark = [pytest.mark.node, pytest.mark.timeout(3600)]
 NAME = "gemma-e2e"
+MODEL = "gemma-3-270m"  # the manifest's model.name: what clients put in `model`
 
 
 @pytest.fixture(scope="module")
-def flow(node: NodeHandle, kube: Kube) -> Iterator[Flow]:
+def gateway(kube: Kube) -> Iterator[Gateway]:
+    """The test's namespace, made before the install: the site gateway serves the
+    InferenceDeployments there (its Role lives there) on the site's nodes."""
+    namespace = f"e2e-{uuid.uuid4().hex[:6]}"
+    kubectl = local_flow(kube.cluster).run_kubectl
+    kubectl("create", "namespace", namespace)
+    try:
+        yield Gateway(namespace, SITE)
+    finally:
+        kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def flow(node: NodeHandle, kube: Kube, gateway: Gateway) -> Iterator[Flow]:
     flow = local_flow(kube.cluster)
     flow.prepare_node()
     try:
         with flow.dumping(SYSTEM_NS):
-            flow.install(flow.fake_node_values())
+            flow.install(flow.fake_node_values(), gateway)
         yield flow
     finally:
         flow.restore_node()
 
 
 @pytest.fixture(scope="module")
-def served(flow: Flow) -> Iterator[str]:
-    """The sample InferenceDeployment (one NPU context per replica), Ready; yields its namespace."""
-    namespace = f"e2e-{uuid.uuid4().hex[:6]}"
-    flow.run_kubectl("create", "namespace", namespace)
-    try:
-        with flow.dumping(namespace):
-            flow.wait_npu_capacity()
-            flow.apply(flow.model_manifest(NAME, namespace, npu=True))
-            flow.wait_ready(NAME, namespace)
-        yield namespace
-    finally:
-        flow.run_kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+def served(flow: Flow, gateway: Gateway) -> str:
+    """The sample InferenceDeployment (one NPU context per replica), Ready; its namespace."""
+    namespace = gateway.namespace
+    with flow.dumping(namespace):
+        flow.wait_npu_capacity()
+        flow.apply(flow.model_manifest(NAME, namespace, npu=True))
+        flow.wait_ready(NAME, namespace)
+    return namespace
 
 
 def test_replica_holds_its_own_acl_context(flow: Flow, served: str) -> None:
@@ -70,6 +90,36 @@ def test_serves_a_streamed_chat_completion(flow: Flow, served: str) -> None:
     assert columns["READY"] == "1/1", columns
     obj = json.loads(flow.run_kubectl("get", "infd", NAME, "-n", served, "-o", "json"))
     assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+
+
+def test_the_gateway_serves_the_site_at_one_url(flow: Flow, served: str, gateway: Gateway) -> None:
+    """The chart's site gateway (gateway.enabled, this namespace, site edge-lab; non-root, a
+    read-only root filesystem) streams a chat completion and a completion to the replica,
+    lists the model, and answers a model it does not serve with OpenAI's 404."""
+    chat: list[str] = []
+    completion: list[str] = []
+    with flow.dumping(served), flow.port_forward(gateway.service, SYSTEM_NS, 8080) as port:
+        models = flow.wait_gateway(port, MODEL)
+        answer = flow.chat(port, "Name one primary colour.", chat.append)
+        continued = flow.complete(port, "The capital of France is", completion.append)
+        base = f"http://127.0.0.1:{port}"
+        body = {"model": "no-such-model", "messages": [{"role": "user", "content": "Hi"}]}
+        unknown = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+    assert models == [MODEL]
+    assert len([t for t in chat if t]) > 3 and answer.strip(), chat  # streamed: many chunks
+    assert len([t for t in completion if t]) > 3 and continued.strip(), completion
+    assert unknown.status_code == 404, unknown.text
+    error = unknown.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model"), error
+    assert "no-such-model" in error["message"] and error["type"], error
+    assert f'ember_gateway_requests_total{{code="200",model="{MODEL}"}} 2.0' in metrics, metrics
+    selector = f"app.kubernetes.io/component=gateway,ember.dev/site={SITE}"
+    out = flow.run_kubectl("get", "pods", "-n", SYSTEM_NS, "-l", selector, "-o", "json")
+    (pod,) = json.loads(out)["items"]
+    assert pod["spec"]["nodeName"] == flow.target.node_name()
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 
 
 def test_heat_lowers_the_batch_in_kubectl_get(flow: Flow, served: str) -> None:
@@ -163,20 +213,30 @@ def test_operator_was_never_refused_by_its_rbac(flow: Flow, served: str) -> None
     assert flow.refused_calls() == []
 
 
-def test_helm_uninstall_leaves_nothing_behind(flow: Flow) -> None:
+def test_gateway_was_never_refused_by_its_rbac(flow: Flow, served: str) -> None:
+    """The gateway watched InferenceDeployments, pods and the site's Nodes on its least-privilege
+    Role and ClusterRole throughout (including the API server's outage above)."""
+    assert flow.refused_calls("gateway") == []
+
+
+def test_helm_uninstall_leaves_nothing_behind(flow: Flow, gateway: Gateway) -> None:
     flow.uninstall()
 
     def leftovers() -> str:
-        return flow.run_kubectl(
-            "get",
-            "all,serviceaccounts,configmaps,roles,rolebindings",
-            "-n",
-            SYSTEM_NS,
-            "-l",
-            f"app.kubernetes.io/instance={RELEASE}",
-            "-o",
-            "name",
-        ).strip()
+        # The gateway's Role and RoleBinding live in the namespace it serves.
+        return "".join(
+            flow.run_kubectl(
+                "get",
+                "all,serviceaccounts,configmaps,roles,rolebindings",
+                "-n",
+                namespace,
+                "-l",
+                f"app.kubernetes.io/instance={RELEASE}",
+                "-o",
+                "name",
+            ).strip()
+            for namespace in (SYSTEM_NS, gateway.namespace)
+        )
 
     # Pods finish terminating (their SIGTERM handling) after `helm uninstall --wait` returns.
     deadline = time.monotonic() + 60

@@ -12,11 +12,15 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from ember_runtime.gateway.app import create_app
+from ember_runtime.gateway.fleet import Fleet
+from ember_runtime.gateway.metrics import GatewayMetrics
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.gateway.conftest import (
     ALPHA_KEY,
     BETA_KEY,
+    POLICY,
     CutRelay,
     Gateway,
     generations,
@@ -27,7 +31,7 @@ from tests.gateway.conftest import (
     start_gateway,
     start_replica,
 )
-from tests.runtime.conftest import LiveServer
+from tests.runtime.conftest import LiveServer, start_live
 
 ALPHA = {"Authorization": f"Bearer {ALPHA_KEY}"}
 
@@ -423,6 +427,27 @@ def test_health_readiness_and_metrics(gateway: Gateway) -> None:
         assert reply.status_code == 503 and reply.json()["error"]["code"] == "no_replica"
     finally:
         empty.stop()
+
+
+def test_ready_with_no_model_once_discovered_and_not_before() -> None:
+    """`helm install --wait --set gateway.enabled=true` before the site's first
+    InferenceDeployment: the gateway has nothing to route and must be Ready (else the install
+    times out), but only once discovery has answered (until then it does not know)."""
+    none = start_gateway({})
+    fleet = Fleet(POLICY)
+
+    async def never(fleet: Fleet, metrics: GatewayMetrics) -> None:
+        await asyncio.Event().wait()  # an API server that never answers
+
+    blind = start_live(create_app(fleet, never, read_timeout=60.0))
+    try:
+        assert httpx.get(f"{none.url}/readyz").status_code == 200
+        reply = httpx.post(f"{none.url}/v1/completions", json={"model": "alpha", "prompt": "x"})
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+        assert httpx.get(f"{blind.url}/readyz").status_code == 503
+    finally:
+        none.stop()
+        blind.stop()
 
 
 def test_a_replica_heated_through_its_sensor_is_avoided_within_2s(

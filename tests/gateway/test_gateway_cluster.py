@@ -106,7 +106,17 @@ def gateway_site(kube: Kube, ns: str, tmp: Path, replicas: dict[str, int]) -> It
             metadata=client.V1ObjectMeta(name=KEY_SECRET), string_data={"key": ALPHA_KEY}
         )
         kube.core.create_namespaced_secret(ns, secret)
-        kubectl_apply(kube, gateway_rbac(ns, site, (KEY_SECRET,)), tmp)
+        rbac = gateway_rbac(ns, site, (KEY_SECRET,))
+        kubectl_apply(kube, rbac, tmp)
+        # The namespace takes the rest along; the chart's ClusterRole and binding would outlive
+        # it, and block every later `helm install` with the gateway's sites ("ClusterRole
+        # ember-gateway-nodes exists and cannot be imported into the current release").
+        for obj in rbac:
+            if obj["kind"].startswith("Cluster"):
+                name = obj["metadata"]["name"]
+                stack.callback(
+                    kube.kubectl, "delete", obj["kind"].lower(), name, "--ignore-not-found"
+                )
         ports = {model: free_port() for model in replicas}
         for model, port in ports.items():
             server: dict[str, Any] = {"port": port}

@@ -65,6 +65,7 @@ class Fleet:
         self.routes: dict[str, ModelRoute] = {}
         self._replicas: dict[tuple[str, str], Replica] = {}  # (model, backend key)
         self._changed = asyncio.Event()
+        self.synced = False  # routes given at least once (a discovery list, a snapshot)
 
     def update(self, routes: Mapping[str, ModelRoute]) -> None:
         """New routes; a replica whose address and key are unchanged keeps its state."""
@@ -77,6 +78,7 @@ class Fleet:
                     old if same and old else Replica(backend, route.api_key)
                 )
         self.routes, self._replicas = dict(routes), fresh
+        self.synced = True
         self._changed.set()
 
     def replicas(self, model: str) -> list[Replica]:
@@ -87,6 +89,11 @@ class Fleet:
         return [reps[v.key] for v in order([r.view() for r in reps.values()], prompt, self.policy)]
 
     def ready(self) -> bool:
+        """A replica answers, or discovery found no model at all: a site without models yet
+        (a fresh `helm install --wait`, before its first InferenceDeployment) has nothing a
+        gateway could fail at, and waiting for a model there would fail the install."""
+        if self.synced and not self.routes:
+            return True
         return any(r.healthy for r in self._replicas.values())
 
     def mark_down(self, replica: Replica) -> None:
