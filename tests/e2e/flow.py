@@ -184,6 +184,25 @@ class Flow:
         with timed(f"helm uninstall {RELEASE}"):
             self.run_helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait")
 
+    def leftovers(self, timeout: float = 60) -> str:
+        """What of the release is still there after `uninstall` (namespaced objects in its
+        namespace, then cluster-scoped ones); pods finish terminating (their SIGTERM handling)
+        after `helm uninstall --wait` returns, so this waits up to `timeout` for none."""
+        selector = f"app.kubernetes.io/instance={RELEASE}"
+
+        def found() -> str:
+            kinds = "all,serviceaccounts,configmaps,roles,rolebindings"
+            names = self.run_kubectl("get", kinds, "-n", SYSTEM_NS, "-l", selector, "-o", "name")
+            names += self.run_kubectl(
+                "get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name"
+            )
+            return names.strip()
+
+        deadline = time.monotonic() + timeout
+        while (left := found()) and time.monotonic() < deadline:
+            time.sleep(1)
+        return left
+
     def refused_calls(self) -> list[str]:
         """Lines of the operator's whole log (it runs on the chart's ServiceAccount) that say the
         API server refused a call."""

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import Kube, NodeHandle
-from tests.e2e.flow import COOL_CELSIUS, FAKE_NPUS, HOT_CELSIUS, RELEASE, SYSTEM_NS, Flow
+from tests.e2e.flow import COOL_CELSIUS, FAKE_NPUS, HOT_CELSIUS, SYSTEM_NS, Flow
 from tests.e2e.local import local_flow
 
 # The first test's setup builds Ember's images: the runtime's first build compiles llama.cpp.
@@ -166,32 +166,8 @@ def test_operator_was_never_refused_by_its_rbac(flow: Flow, served: str) -> None
 def test_helm_uninstall_leaves_nothing_behind(flow: Flow) -> None:
     flow.uninstall()
 
-    def leftovers() -> str:
-        return flow.run_kubectl(
-            "get",
-            "all,serviceaccounts,configmaps,roles,rolebindings",
-            "-n",
-            SYSTEM_NS,
-            "-l",
-            f"app.kubernetes.io/instance={RELEASE}",
-            "-o",
-            "name",
-        ).strip()
-
-    # Pods finish terminating (their SIGTERM handling) after `helm uninstall --wait` returns.
-    deadline = time.monotonic() + 60
-    while leftovers() and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not leftovers(), leftovers()
-    cluster_scoped = flow.run_kubectl(
-        "get",
-        "clusterroles,clusterrolebindings",
-        "-l",
-        f"app.kubernetes.io/instance={RELEASE}",
-        "-o",
-        "name",
-    )
-    assert not cluster_scoped.strip(), cluster_scoped
+    left = flow.leftovers()
+    assert not left, left
     # By design (Helm's crds/ convention, see README): CRDs outlive the release so that
     # uninstalling never deletes users' InferenceDeployments.
     assert "inferencedeployments.ember.dev" in flow.run_kubectl("get", "crd", "-o", "name")
