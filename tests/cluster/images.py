@@ -98,12 +98,13 @@ def build_pause() -> Path:
     return out
 
 
-def _debootstrap(rootfs: Path) -> None:
-    log(f"debootstrap {DEBIAN_SUITE} ({', '.join(BASE_PACKAGES)}) — a few minutes, once")
+def debootstrap(rootfs: Path, packages: tuple[str, ...] = BASE_PACKAGES) -> None:
+    """A minbase Debian with `packages` into `rootfs` (also the kind node's: tests/e2e)."""
+    log(f"debootstrap {DEBIAN_SUITE} ({', '.join(packages)}) — a few minutes, once")
     cmd = [
         "debootstrap",
         "--variant=minbase",
-        f"--include={','.join(BASE_PACKAGES)}",
+        f"--include={','.join(packages)}",
         DEBIAN_SUITE,
         str(rootfs),
         DEBIAN_MIRROR,
@@ -114,7 +115,7 @@ def _debootstrap(rootfs: Path) -> None:
         shutil.rmtree(rootfs / sub, ignore_errors=True)
 
 
-def _tar_rootfs(rootfs: Path, layer: Path) -> None:
+def tar_rootfs(rootfs: Path, layer: Path) -> None:
     # tar(1) keeps devices, hardlinks, xattrs and ownership exactly as debootstrap left them.
     subprocess.run(
         ["tar", "--numeric-owner", "--xattrs", "-C", str(rootfs), "-cf", str(layer), "."],
@@ -138,9 +139,9 @@ def build_base() -> Path:
     shutil.rmtree(work, ignore_errors=True)
     rootfs = work / "rootfs"
     rootfs.mkdir(parents=True)
-    _debootstrap(rootfs)
+    debootstrap(rootfs)
     layer = work / "layer.tar"
-    _tar_rootfs(rootfs, layer)
+    tar_rootfs(rootfs, layer)
     env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"]
     write_docker_archive(layer, out, BASE_IMAGE, {"Env": env, "Cmd": ["/bin/sh"]})
     shutil.rmtree(work, ignore_errors=True)

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import IO
 
 from tests.cluster.build import (
+    ETCD_VERSION,
     KIND_BINARIES,
+    KUBE_BINARIES,
     KUBERNETES_VERSION,
     Tool,
     build_tool,
@@ -41,10 +43,11 @@ from tests.cluster.build import (
     log,
 )
 from tests.cluster.images import (
-    DEBIAN_MIRROR,
     DEBIAN_SUITE,
     build_base,
     build_pause,
+    debootstrap,
+    tar_rootfs,
     write_docker_archive,
 )
 from tests.e2e.docker_host import kind_dir
@@ -64,7 +67,7 @@ NODE_PACKAGES = (
 KINDNET_IMAGE = "ember.local/kindnet:dev"
 # The names `kubeadm config images list --kubernetes-version v1.36.3` gives.
 REGISTRY = "registry.k8s.io"
-ETCD_TAG = "3.6.8-0"
+ETCD_TAG = f"{ETCD_VERSION.removeprefix('v')}-0"
 COREDNS_TAG = "v1.14.2"
 PAUSE_TAG = "3.10.2"
 NODE_IMAGE_REPO = "ember.local/kind-node"
@@ -89,17 +92,6 @@ def kind_base_files() -> Path:
     if not files.is_dir():
         raise SystemExit(f"kind's base files are missing at {files}")
     return files
-
-
-def _debootstrap(rootfs: Path) -> None:
-    log(f"debootstrap {DEBIAN_SUITE} for the kind node ({len(NODE_PACKAGES)} packages, once)")
-    subprocess.run(
-        ["debootstrap", "--variant=minbase", f"--include={','.join(NODE_PACKAGES)}",
-         DEBIAN_SUITE, str(rootfs), DEBIAN_MIRROR],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    for sub in ("var/lib/apt/lists", "var/cache/apt", "usr/share/doc", "usr/share/man"):
-        shutil.rmtree(rootfs / sub, ignore_errors=True)
 
 
 def _copy_kind_files(rootfs: Path, files: Path) -> None:
@@ -175,19 +167,9 @@ def _content_key(bins: Path) -> str:
     digest = hashlib.sha256(f"{DEBIAN_SUITE} {NODE_PACKAGES} {KIND.version}".encode())
     for name in (Path(__file__).name, "kindnet.yaml", "kindnet.py"):
         digest.update(Path(__file__).with_name(name).read_bytes())
-    for name in ("kubeadm", "kubelet", "kubectl", "kube-proxy"):
-        digest.update(str((bins / name).stat().st_mtime_ns).encode())
+    for name in (*KUBE_BINARIES, *KIND_BINARIES, f"etcd-{ETCD_VERSION}", COREDNS.name, CRICTL.name):
+        digest.update(f"{name} {(bins / name).stat().st_mtime_ns}".encode())
     return digest.hexdigest()[:12]
-
-
-def _tar(rootfs: Path, out: Path, extra: dict[Path, str] | None = None) -> None:
-    subprocess.run(
-        ["tar", "--numeric-owner", "--xattrs", "-C", str(rootfs), "-cf", str(out), "."], check=True
-    )
-    if extra:
-        with tarfile.open(out, "a") as tar:
-            for src, arcname in extra.items():
-                tar.add(src, arcname=arcname)
 
 
 def _binary_image(binary: Path, ref: str, entry: str, out: Path) -> Path:
@@ -209,7 +191,7 @@ def control_plane_images(bins: Path, work: Path) -> list[Path]:
     for name in ("kube-apiserver", "kube-controller-manager", "kube-scheduler"):
         out.append(_binary_image(bins / name, f"{REGISTRY}/{name}:{v}", name, work / f"{name}.tar"))
     etcd = f"{REGISTRY}/etcd:{ETCD_TAG}"
-    out.append(_binary_image(bins / "etcd-v3.6.8", etcd, "etcd", work / "etcd.tar"))
+    out.append(_binary_image(bins / f"etcd-{ETCD_VERSION}", etcd, "etcd", work / "etcd.tar"))
     coredns = f"{REGISTRY}/coredns/coredns:{COREDNS_TAG}"
     out.append(_binary_image(bins / COREDNS.name, coredns, "coredns", work / "coredns.tar"))
     # kube-proxy runs iptables-restore and conntrack: the node's Debian plus the binary.
@@ -263,8 +245,8 @@ def debian_tar() -> Path:
     if not debian.exists():
         with tempfile.TemporaryDirectory(dir=kind_dir()) as tmp:
             fresh = Path(tmp) / "debian"
-            _debootstrap(fresh)
-            _tar(fresh, debian.with_suffix(".partial"))
+            debootstrap(fresh, NODE_PACKAGES)
+            tar_rootfs(fresh, debian.with_suffix(".partial"))
         debian.with_suffix(".partial").rename(debian)
     return debian
 
@@ -286,7 +268,7 @@ def _assemble_rootfs(work: Path, bins: Path) -> Path:
     )
     (rootfs / "usr/local/bin/kindnet").chmod(0o755)
     out = work / "rootfs.tar"
-    _tar(rootfs, out)
+    tar_rootfs(rootfs, out)
     shutil.rmtree(rootfs)
     return out
 
