@@ -95,12 +95,18 @@ def kind_base_files() -> Path:
 
 
 def _copy_kind_files(rootfs: Path, files: Path) -> None:
-    """What kind's images/base Dockerfile COPYs, with Debian's binary paths."""
-    shutil.copytree(files, rootfs, dirs_exist_ok=True)
+    """What kind's images/base Dockerfile COPYs (--chmod 0644, scripts 0755), with Debian's
+    binary paths. Not copytree: the Go module cache is read-only and its modes would follow."""
+    for src in sorted(files.rglob("*")):
+        if src.is_dir():
+            continue
+        dest = rootfs / src.relative_to(files)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dest)
+        script = dest.parent in (rootfs / "kind/bin", rootfs / "usr/local/bin")
+        dest.chmod(0o755 if script else 0o644)
     for sub in ("kind", "kind/bin"):
         (rootfs / sub).chmod(0o755)
-    for script in [*(rootfs / "kind/bin").iterdir(), *(rootfs / "usr/local/bin").iterdir()]:
-        script.chmod(0o755)
     # The unit runs /usr/local/bin/containerd; Debian installs /usr/bin/containerd.
     (rootfs / "usr/local/bin/containerd").symlink_to("/usr/bin/containerd")
     (rootfs / "opt/cni").mkdir(parents=True, exist_ok=True)
