@@ -121,8 +121,12 @@ def _run_go(args: list[str], cwd: Path, what: str) -> None:
     log(f"built {what} in {time.monotonic() - start:.0f}s")
 
 
-def build_kubernetes(out: Path) -> None:
-    missing = [b for b in KUBE_BINARIES if not (out / b).exists()]
+# What a kind node image needs beyond the local cluster's binaries (tests/e2e/kind_node.py).
+KIND_BINARIES = ("kubeadm", "kube-proxy")
+
+
+def build_kubernetes(out: Path, names: tuple[str, ...] = KUBE_BINARIES) -> None:
+    missing = [b for b in names if not (out / b).exists()]
     if not missing:
         return
     minor = KUBERNETES_VERSION.split(".", 1)[1]  # "36.3"
@@ -142,20 +146,21 @@ def build_tool(tool: Tool, out: Path) -> None:
     _run_go(["build", "-o", str(out / tool.name), tool.package], wrapper, tool.name)
 
 
-def ensure_binaries() -> Path:
-    """Build whatever is missing; a second call builds nothing."""
+def ensure_binaries(extra: tuple[str, ...] = ()) -> Path:
+    """Build whatever is missing (plus the `extra` Kubernetes commands); a second call builds
+    nothing."""
     if shutil.which("go") is None:
         raise SystemExit("Go is required to build the local cluster's binaries (see README)")
     out = bin_dir()
     out.mkdir(parents=True, exist_ok=True)
-    if all((out / name).exists() for name in ALL_BINARIES):
+    if all((out / name).exists() for name in ALL_BINARIES + extra):
         return out
     # One builder at a time (a test session and `make cluster-up` may race); the others wait.
     with (cache_root() / "build.lock").open("w") as lock:
         if not _try_lock(lock):
             log("another build is running; waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        build_kubernetes(out)
+        build_kubernetes(out, KUBE_BINARIES + extra)
         for tool in EXTRA_TOOLS:
             build_tool(tool, out)
     return out

@@ -109,13 +109,16 @@ def build_pause() -> Path:
     return out
 
 
-def _debootstrap(rootfs: Path, arch: str) -> None:
-    log(f"debootstrap {DEBIAN_SUITE} {arch} ({', '.join(BASE_PACKAGES)}) — a few minutes, once")
+def debootstrap(
+    rootfs: Path, arch: str = HOST_ARCH, packages: tuple[str, ...] = BASE_PACKAGES
+) -> None:
+    """A minbase Debian for `arch` with `packages` into `rootfs` (the kind node's too)."""
+    log(f"debootstrap {DEBIAN_SUITE} {arch} ({', '.join(packages)}) — a few minutes, once")
     cmd = [
         "debootstrap",
         f"--arch={arch}",
         "--variant=minbase",
-        f"--include={','.join(BASE_PACKAGES)}",
+        f"--include={','.join(packages)}",
         DEBIAN_SUITE,
         str(rootfs),
         DEBIAN_MIRROR,
@@ -126,7 +129,7 @@ def _debootstrap(rootfs: Path, arch: str) -> None:
         shutil.rmtree(rootfs / sub, ignore_errors=True)
 
 
-def _tar_rootfs(rootfs: Path, layer: Path) -> None:
+def tar_rootfs(rootfs: Path, layer: Path) -> None:
     # tar(1) keeps devices, hardlinks, xattrs and ownership exactly as debootstrap left them.
     subprocess.run(
         ["tar", "--numeric-owner", "--xattrs", "-C", str(rootfs), "-cf", str(layer), "."],
@@ -151,9 +154,9 @@ def build_base(arch: str = HOST_ARCH) -> Path:
     shutil.rmtree(work, ignore_errors=True)
     rootfs = work / "rootfs"
     rootfs.mkdir(parents=True)
-    _debootstrap(rootfs, arch)
+    debootstrap(rootfs, arch)
     layer = work / "layer.tar"
-    _tar_rootfs(rootfs, layer)
+    tar_rootfs(rootfs, layer)
     env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"]
     config: dict[str, object] = {"Env": env, "Cmd": ["/bin/sh"]}
     write_docker_archive(layer, out, base_image(arch), config, arch)

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -216,6 +216,29 @@ class Flow:
     def uninstall(self) -> None:
         with timed(f"helm uninstall {RELEASE}"):
             self.run_helm("uninstall", RELEASE, "--namespace", SYSTEM_NS, "--wait")
+
+    def leftovers(self, served: Sequence[str] = (), timeout: float = 60) -> str:
+        """What of the release is still there after `uninstall` (namespaced objects in its
+        namespace and the `served` ones, where the gateway's Role lives, then cluster-scoped
+        ones); pods finish terminating (their SIGTERM handling) after `helm uninstall --wait`
+        returns, so this waits up to `timeout` for none."""
+        selector = f"app.kubernetes.io/instance={RELEASE}"
+
+        def found() -> str:
+            kinds = "all,serviceaccounts,configmaps,roles,rolebindings"
+            names = "".join(
+                self.run_kubectl("get", kinds, "-n", ns, "-l", selector, "-o", "name")
+                for ns in dict.fromkeys((SYSTEM_NS, *served))
+            )
+            names += self.run_kubectl(
+                "get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name"
+            )
+            return names.strip()
+
+        deadline = time.monotonic() + timeout
+        while (left := found()) and time.monotonic() < deadline:
+            time.sleep(1)
+        return left
 
     def refused_calls(self, component: str = "operator") -> list[str]:
         """Lines of a component's whole log (it runs on the chart's ServiceAccount for it) that

@@ -21,7 +21,6 @@ from tests.e2e.flow import (
     COOL_CELSIUS,
     FAKE_NPUS,
     HOT_CELSIUS,
-    RELEASE,
     SITE,
     SYSTEM_NS,
     Flow,
@@ -222,36 +221,8 @@ def test_gateway_was_never_refused_by_its_rbac(flow: Flow, served: str) -> None:
 def test_helm_uninstall_leaves_nothing_behind(flow: Flow, gateway: Gateway) -> None:
     flow.uninstall()
 
-    def leftovers() -> str:
-        # The gateway's Role and RoleBinding live in the namespace it serves.
-        return "".join(
-            flow.run_kubectl(
-                "get",
-                "all,serviceaccounts,configmaps,roles,rolebindings",
-                "-n",
-                namespace,
-                "-l",
-                f"app.kubernetes.io/instance={RELEASE}",
-                "-o",
-                "name",
-            ).strip()
-            for namespace in (SYSTEM_NS, gateway.namespace)
-        )
-
-    # Pods finish terminating (their SIGTERM handling) after `helm uninstall --wait` returns.
-    deadline = time.monotonic() + 60
-    while leftovers() and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not leftovers(), leftovers()
-    cluster_scoped = flow.run_kubectl(
-        "get",
-        "clusterroles,clusterrolebindings",
-        "-l",
-        f"app.kubernetes.io/instance={RELEASE}",
-        "-o",
-        "name",
-    )
-    assert not cluster_scoped.strip(), cluster_scoped
+    left = flow.leftovers(served=[gateway.namespace])
+    assert not left, left
     # By design (Helm's crds/ convention, see README): CRDs outlive the release so that
     # uninstalling never deletes users' InferenceDeployments.
     assert "inferencedeployments.ember.dev" in flow.run_kubectl("get", "crd", "-o", "name")
