@@ -37,7 +37,10 @@ from images.llama_build import CROSS, TARGET_CMAKE_ARGS, ensure_cross_wheel
 REPO = Path(__file__).resolve().parents[1]
 REGISTRY = "ember.local"
 TAG = "dev"
-HOST_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(host_platform.machine(), "")
+# Debian's (and OCI's) name for this machine's architecture; the local base is built for it.
+HOST_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(
+    host_platform.machine(), host_platform.machine()
+)
 # The folder of the build context the runtime image takes a cross-built llama-cpp-python from.
 WHEELS = "images/wheels"
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ember_runtime.models import sha256_file
 
+from images.build import HOST_ARCH
 from tests.cluster.build import log
 from tests.cluster.paths import cache_root
 
@@ -32,8 +33,6 @@ BASE_IMAGE = "ember.local/base:bookworm"
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = os.environ.get("EMBER_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "procps", "iproute2")
-# Debian's name for this machine's architecture (also the OCI one for amd64/arm64).
-HOST_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
 
 
 def base_image(arch: str = HOST_ARCH) -> str:
