@@ -60,9 +60,10 @@ from ember_runtime.models import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gateway_overhead import free_port, start
+from bench.gateway_overhead import start
 from bench.machine import steal_seconds
 from bench.runtime_bench import PROMPTS, QUESTIONS, SYSTEM, cpu_model, one_request, pct
+from tests.support.net import free_port
 from tests.thermal.conftest import FakeThermalTree
 from tests.thermal.runtime_proc import RuntimeProcess, start_runtime
 

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,17 +39,12 @@ import httpx
 from ember_runtime.models import default_model_path
 
 from bench.machine import steal_seconds
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = "gemma-3-270m"
 GOAL_SECONDS = 0.001
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(argv: list[str], ready: str, log: Path) -> subprocess.Popen[bytes]:

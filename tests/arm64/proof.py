@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,6 +34,8 @@ from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256, MODEL_SIZE_BYTES
 from images.build import IMAGES, REPO, EmberImage
 from tests.arm64.build import Timings, build_all, ref
 from tests.cluster.images import buildah_images
+from tests.support.net import free_port
+from tests.support.waiting import wait_for
 
 BINFMT = Path("/proc/sys/fs/binfmt_misc/qemu-aarch64")
 RESULTS = REPO / "bench" / "results"
@@ -166,25 +167,13 @@ def prove_extensions(name: str, image: EmberImage) -> dict[str, Any]:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _wait_ready(url: str, server: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + SERVER_READY_S
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if server.poll() is not None:
             raise AssertionError(f"the server exited ({server.returncode}) before it was ready")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"the server was not ready within {SERVER_READY_S:.0f}s")
+        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+
+    wait_for("the server's /readyz", ready, SERVER_READY_S, 1.0, tolerate=(httpx.TransportError,))
 
 
 def _complete(url: str) -> dict[str, Any]:
@@ -200,7 +189,7 @@ def _complete(url: str) -> dict[str, Any]:
 
 def prove_server(name: str, timings: Timings) -> dict[str, Any]:
     """Start the runtime's server on the default model, time its load and one completion."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = ["python3", "-m", "ember_runtime.server", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--threads", "2", "--context-length", "512", "--max-batch-size", "1"]

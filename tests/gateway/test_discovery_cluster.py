@@ -9,7 +9,6 @@ import asyncio
 import ssl
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +26,11 @@ from tests.conftest import Kube
 from tests.gateway.kube_site import gateway_rbac, gateway_token, ips, pod
 from tests.operator.conftest import crd
 from tests.operator.specs import manifest
+from tests.support.waiting import wait_async
 from tests.thermal.kube_support import TcpProxy, api_server, kubectl_apply
 
 pytestmark = pytest.mark.cluster
 __all__ = ["crd"]  # the fixture
-
-
-async def until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.1)
 
 
 def test_discovery_with_the_charts_rbac_and_offline(
@@ -128,9 +121,10 @@ async def _discover(
     discovery = KubeDiscovery(KubeClient(endpoint, timeout=3.0), ns, "", site, snapshot)
     task = asyncio.create_task(discovery.run(fleet, metrics))
     try:
-        await until(
+        await wait_async(
+            "the routes",
             lambda: set(fleet.routes) == {"alpha", "beta"} and bool(fleet.routes["beta"].backends),
-            30, f"routes never came: {fleet.routes}",
+            30, 0.1,
         )  # fmt: skip
         alpha, beta = fleet.routes["alpha"], fleet.routes["beta"]
         assert alpha.owner == f"{ns}/alpha" and alpha.api_key == "alpha-secret"
@@ -151,13 +145,15 @@ async def _discover(
         restarted = Fleet(Policy())  # a gateway restarted while the API server is away
         again = gateway(restarted)
         try:
-            await until(lambda: restarted.routes == fleet.routes, 5, "restarted: no routes")
+            await wait_async(
+                "restarted: its routes", lambda: restarted.routes == fleet.routes, 5, 0.1
+            )
         finally:
             again.cancel()
             await asyncio.gather(again, return_exceptions=True)
 
         proxy.restore()  # back: the watch lists again and sees what changed meanwhile
-        await until(lambda: not fleet.routes["beta"].backends, 30, "the deletion never arrived")
+        await wait_async("the deletion", lambda: not fleet.routes["beta"].backends, 30, 0.1)
         assert fleet.routes["alpha"] == alpha
     finally:
         task.cancel()
