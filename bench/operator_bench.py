@@ -218,7 +218,9 @@ def floor_bodies(n: int, ns: str, sites: list[str]) -> list[dict[str, Any]]:
     for i in range(n):
         spec = parse_spec(fleet_manifest(f"p{i}", sites)["spec"])
         owner = render.Owner(f"p{i}", ns, "")
-        for manifest in render.render(owner, spec, settings, sizing.compute(spec, settings, None)):
+        config = render.runtime_config(spec, settings)
+        sized = sizing.compute(spec, config, settings, None)
+        for manifest in render.render(owner, spec, config, settings, sized):
             manifest["metadata"].pop("ownerReferences", None)
             bodies.append(manifest)
     return bodies

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ember_runtime.contract.config import RuntimeConfig
 from kubernetes import client
 from kubernetes.client import ApiClient
 
@@ -56,6 +57,7 @@ class Plan(NamedTuple):
     compared or written."""
 
     spec: InferenceDeploymentSpec
+    config: RuntimeConfig  # what the ConfigMap carries to the node
     sized: sizing.Sizing
     children: dict[str, Child]  # kind -> child
     problems: list[render.Problem]

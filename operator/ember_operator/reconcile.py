@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ember_runtime.contract.cache import INSTANCE_LABEL
+from ember_runtime.contract.config import RuntimeConfig
 from pydantic import ValidationError
 
 from ember_operator import render, sizing
@@ -44,11 +45,15 @@ def first(index: Any, key: tuple[str, str]) -> Mapping[str, Any] | None:
 
 
 def _render(
-    ctx: Context, body: Mapping[str, Any], spec: InferenceDeploymentSpec, sized: sizing.Sizing
+    ctx: Context,
+    body: Mapping[str, Any],
+    spec: InferenceDeploymentSpec,
+    config: RuntimeConfig,
+    sized: sizing.Sizing,
 ) -> list[dict[str, Any]]:
     meta = body["metadata"]
     owner = render.Owner(meta["name"], meta["namespace"], meta["uid"])
-    manifests = render.render(owner, spec, ctx.settings, sized)
+    manifests = render.render(owner, spec, config, ctx.settings, sized)
     for manifest in manifests:
         stamp(manifest)
     return manifests
@@ -63,10 +68,12 @@ def planned(ctx: Context, body: Mapping[str, Any]) -> Plan:
             ctx.plans.move_to_end(key)
             return ctx.plans[key]
     spec = parse_spec(body["spec"])
-    sized = sizing.compute(spec, ctx.settings, sizing.find_gguf_shape(spec, ctx.settings))
-    manifests = _render(ctx, body, spec, sized)
+    config = render.runtime_config(spec, ctx.settings)  # the one copy: sized, then rendered
+    shape = sizing.find_gguf_shape(spec, ctx.settings)
+    sized = sizing.compute(spec, config, ctx.settings, shape)
+    manifests = _render(ctx, body, spec, config, sized)
     children = {m["kind"]: Child(m["metadata"]["name"], str(digest_of(m))) for m in manifests}
-    plan = Plan(spec, sized, children, render.problems(spec, sized))
+    plan = Plan(spec, config, sized, children, render.problems(spec, sized))
     with ctx.lock:
         ctx.plans[key] = plan
         while len(ctx.plans) > PLAN_CACHE_SIZE:
@@ -87,7 +94,7 @@ def manifests_of(ctx: Context, body: Mapping[str, Any], plan: Plan) -> list[dict
     for, else rendered again (deterministic: the same digests)."""
     with ctx.lock:
         fresh = ctx.fresh.pop(_plan_key(body), None)
-    return fresh if fresh is not None else _render(ctx, body, plan.spec, plan.sized)
+    return fresh if fresh is not None else _render(ctx, body, plan.spec, plan.config, plan.sized)
 
 
 def child_ids(key: tuple[str, str], plan: Plan) -> list[ChildId]:

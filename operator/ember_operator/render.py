@@ -2,7 +2,8 @@
 
 No I/O and no clock here, so the whole pod template is unit-tested without a cluster and two
 renders of the same input are byte-identical (which the config hash and zero-write steady state
-rely on). Templates live in `templates/`, one jinja2 file per kind, each rendering JSON.
+rely on). Templates live in `templates/`, one jinja2 file per kind, each rendering JSON; the
+ConfigMap, which is only data, is built here (`config_map`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ember_operator.api import API_VERSION, KIND
 from ember_operator.api.models import AcceleratorKind, InferenceDeploymentSpec
 from ember_operator.api.models import ThermalPolicy as PolicyKind
 from ember_operator.settings import MANAGED_BY, OperatorSettings
-from ember_operator.sizing import Sizing
+from ember_operator.sizing import Sizing, threads_for
 
 CONFIG_HASH_ANNOTATION = "ember.dev/config-hash"
 EXTENDED_RESOURCE = {
@@ -137,9 +138,9 @@ def runtime_image(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> 
     return settings.runtime_image
 
 
-def runtime_config(
-    spec: InferenceDeploymentSpec, settings: OperatorSettings, sizing: Sizing
-) -> RuntimeConfig:
+def runtime_config(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> RuntimeConfig:
+    """The spec as the node reads it: built once per generation, sized from (`sizing.compute`)
+    and written into the ConfigMap (`render`)."""
     ref = spec.server.api_key_secret_ref
     return RuntimeConfig(
         model_name=spec.model.name,
@@ -158,7 +159,7 @@ def runtime_config(
             kind=spec.engine.kind.value,
             context_length=spec.engine.context_length,
             max_batch_size=spec.engine.max_batch_size,
-            threads=sizing.threads,
+            threads=threads_for(spec, settings),
             deterministic=spec.engine.deterministic,
             gpu_layers=spec.engine.gpu_layers,
             args=dict(spec.engine.args),
@@ -453,11 +454,15 @@ def pod_annotations(spec: InferenceDeploymentSpec, config_hash: str) -> dict[str
 
 
 def render(
-    owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings, sizing: Sizing
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    config: RuntimeConfig,
+    settings: OperatorSettings,
+    sizing: Sizing,
 ) -> list[dict[str, Any]]:
-    """Every child manifest for one InferenceDeployment, in apply order."""
+    """Every child manifest for one InferenceDeployment, in apply order. `config` is
+    `runtime_config(spec, settings)`, built once by the caller (sizing reads it too)."""
     name = owner.name
-    config = runtime_config(spec, settings, sizing)  # once: the ConfigMap and the hash read it
     data = config_data(config, sizing)
     volumes, runtime_mounts, prewarm_mounts = _volumes_and_mounts(spec, settings, name, sizing)
     prewarm_memory = quantity.ceil_mib(sizing.shared_memory_bytes + PREWARM_OVERHEAD_BYTES)
@@ -501,10 +506,23 @@ def render(
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    kinds = ["configmap", "deployment", "service"]
+    kinds = ["deployment", "service"]
     if spec.replicas > 1:
         kinds.append("poddisruptionbudget")
-    return [_render_one(kind, context) for kind in kinds]
+    return [config_map(context), *(_render_one(kind, context) for kind in kinds)]
+
+
+def config_map(context: dict[str, Any]) -> dict[str, Any]:
+    """The runtime config the node reads and the sizing figures the operator computed (so
+    `kubectl get cm -o yaml` explains the resources): plain data, so no template."""
+    metadata = {
+        "name": context["config_name"],
+        "namespace": context["namespace"],
+        "labels": dict(context["labels"]),
+        "ownerReferences": [dict(ref) for ref in context["owner_references"]],
+    }
+    data = dict(context["config_data"])
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
 
 
 def _render_one(kind: str, context: dict[str, Any]) -> dict[str, Any]:

@@ -29,19 +29,11 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from ember_runtime.memory import (
-    GGUFShape,
-    Offload,
-    embedding_memory,
-    engine_memory,
-    kv_cells,
-    offloaded_layers,
-    read_gguf_shape,
-    unified_kv,
-)
+from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.memory import GGUFShape, Offload, kv_cells, read_gguf_shape
 
 from ember_operator import quantity
-from ember_operator.api.models import InferenceDeploymentSpec, ModelFormat, ModelTask
+from ember_operator.api.models import InferenceDeploymentSpec, ModelFormat
 from ember_operator.settings import OperatorSettings
 
 SHM_SLACK_BYTES = 64 * quantity.MIB
@@ -119,29 +111,13 @@ def _estimate(model_bytes: int, cells: int) -> tuple[int, int]:
 
 
 def _engine_need(
-    spec: InferenceDeploymentSpec,
-    shape: GGUFShape | None,
-    total: int,
-    overhead: int,
-    offload: Offload,
+    config: RuntimeConfig, shape: GGUFShape | None, total: int, overhead: int, offload: Offload
 ) -> tuple[int, int, int, int]:
     """(host KV, host compute, device KV, device compute) bytes for one replica."""
-    context, sequences = spec.engine.context_length, spec.engine.max_batch_size
-    if shape is not None:  # the engine's own rule: the runtime checks the same at start
-        need = (
-            embedding_memory(shape, context=context, overhead=overhead, offload=offload)
-            if spec.model.task == ModelTask.EMBED
-            else engine_memory(
-                shape,
-                context=context,
-                sequences=sequences,
-                overhead=overhead,
-                unified=unified_kv(spec.engine.deterministic),
-                offload=offload,
-            )
-        )
+    if shape is not None:  # the runtime checks the same figure, from the same config, at start
+        need = config.engine_memory(shape, overhead)
         return need.kv_cache, need.compute_buffer, need.device_kv_cache, need.device_compute_buffer
-    kv, buf = _estimate(total, kv_cells(context, sequences))
+    kv, buf = _estimate(total, kv_cells(config.engine.context_length, config.engine.max_batch_size))
     host_kv, device_kv = offload.split(kv)
     # No header, no split of the buffer: the whole of it on each side that runs layers.
     return host_kv, buf, device_kv, buf if offload.device else 0
@@ -169,23 +145,29 @@ def cpu_for(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> Fracti
     return quantity.parse(settings.default_cpu)
 
 
+def threads_for(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> int:
+    return spec.engine.threads or max(1, math.floor(cpu_for(spec, settings)))
+
+
 def compute(
-    spec: InferenceDeploymentSpec, settings: OperatorSettings, shape: GGUFShape | None
+    spec: InferenceDeploymentSpec,
+    config: RuntimeConfig,
+    settings: OperatorSettings,
+    shape: GGUFShape | None,
 ) -> Sizing:
-    """Pure: the sizing of one replica from its spec and (when readable) its GGUF header."""
+    """Pure: the sizing of one replica from its spec, the runtime config rendered from it (what
+    the engine will allocate) and (when readable) its GGUF header."""
     total = model_bytes(spec)
     shm = shared_memory_bytes(spec)
     overhead = settings.runtime_overhead_mib * quantity.MIB
-    layers = offloaded_layers(spec.engine.gpu_layers, spec.accelerator.kind.value)
-    offload = Offload.of(layers, shape.layers if shape is not None else None)
-    kv, buf, device_kv, device_buf = _engine_need(spec, shape, total, overhead, offload)
+    offload = config.offload(shape.layers if shape is not None else None)
+    kv, buf, device_kv, device_buf = _engine_need(config, shape, total, overhead, offload)
     host_weights, device_weights = offload.split(total)
     # The prewarm volume holds every weight in host memory; without it, the page cache of the
     # mmapped files the CPU layers read.
     weights = shm if spec.prewarm.enabled else host_weights
     memory = quantity.ceil_mib(int((weights + kv + buf + overhead) * settings.memory_headroom))
     cpu = cpu_for(spec, settings)
-    threads = spec.engine.threads or max(1, math.floor(cpu))
     load_seconds = total / (settings.min_load_bandwidth_mib_s * quantity.MIB)
     failures = math.ceil((settings.startup_base_seconds + load_seconds) / STARTUP_PERIOD_SECONDS)
     source = (
@@ -202,11 +184,11 @@ def compute(
         overhead_bytes=overhead,
         memory_bytes=memory,
         cpu=quantity.format_cpu(cpu),
-        threads=threads,
+        threads=config.engine.threads,
         startup_period_seconds=STARTUP_PERIOD_SECONDS,
         startup_failure_threshold=max(3, failures),
         shape=shape,
-        gpu_layers=layers,
+        gpu_layers=config.engine.offloaded_layers(config.accelerator),
         device_weights_bytes=device_weights,
         device_kv_cache_bytes=device_kv,
         device_compute_buffer_bytes=device_buf,

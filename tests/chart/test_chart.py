@@ -315,11 +315,10 @@ def test_every_image_comes_from_the_registry_make_push_fills(helm: str) -> None:
     agent, the site gateway, and the runtime + prewarm images the operator renders into
     InferenceDeployment pods — must be one that push put there (else ImagePullBackOff)."""
     from ember_operator import render as operator_render
-    from ember_operator import sizing
     from ember_operator.api.models import parse_spec
     from ember_operator.settings import OperatorSettings
 
-    from tests.operator.specs import manifest
+    from tests.operator.specs import manifest, rendered
 
     registry = "example.test/ember"
     pushed = _pushed_refs(registry)
@@ -338,7 +337,7 @@ def test_every_image_comes_from_the_registry_make_push_fills(helm: str) -> None:
     settings = OperatorSettings(runtime_image=env["EMBER_OPERATOR_RUNTIME_IMAGE"])
     spec = parse_spec(manifest()["spec"])
     owner = operator_render.Owner(name="demo", namespace="ns", uid="u-1")
-    children = operator_render.render(owner, spec, settings, sizing.compute(spec, settings, None))
+    children = rendered(owner, spec, settings)
     (deployment,) = [c for c in children if c["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     assert len(pod["initContainers"]) >= 1  # prewarm pulls the runtime image too

@@ -221,9 +221,10 @@ def wanted_digests(obj: dict[str, Any]) -> dict[str, str]:
     stale (say, an edit made while the operator was down that it never applied)."""
     meta, settings = obj["metadata"], load_settings()
     spec = parse_spec(obj["spec"])
-    sized = sizing.compute(spec, settings, sizing.find_gguf_shape(spec, settings))
+    config = render.runtime_config(spec, settings)
+    sized = sizing.compute(spec, config, settings, sizing.find_gguf_shape(spec, settings))
     owner = render.Owner(meta["name"], meta["namespace"], meta["uid"])
-    return {m["kind"]: stamp(m) for m in render.render(owner, spec, settings, sized)}
+    return {m["kind"]: stamp(m) for m in render.render(owner, spec, config, settings, sized)}
 
 
 def _check_digests(

@@ -6,6 +6,10 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from ember_operator import render, sizing
+from ember_operator.api.models import InferenceDeploymentSpec
+from ember_operator.settings import OperatorSettings
+from ember_runtime.memory import GGUFShape
 from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256
 
 SHA = "0123456789abcdef" * 4
@@ -74,3 +78,22 @@ def set_path(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     else:
         node[last] = value
     return out
+
+
+def size_of(
+    spec: InferenceDeploymentSpec, settings: OperatorSettings, shape: GGUFShape | None = None
+) -> sizing.Sizing:
+    """What `reconcile.planned` computes: the runtime config, then the sizing read from it."""
+    return sizing.compute(spec, render.runtime_config(spec, settings), settings, shape)
+
+
+def rendered(
+    owner: render.Owner,
+    spec: InferenceDeploymentSpec,
+    settings: OperatorSettings,
+    shape: GGUFShape | None = None,
+) -> list[dict[str, Any]]:
+    """`reconcile.planned`'s manifests, without a cluster."""
+    config = render.runtime_config(spec, settings)
+    sized = sizing.compute(spec, config, settings, shape)
+    return render.render(owner, spec, config, settings, sized)

@@ -19,7 +19,7 @@ import subprocess
 from typing import Any
 
 import pytest
-from ember_operator import render, sizing
+from ember_operator import render
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
 
@@ -28,7 +28,7 @@ from tests.cluster.images import BASE_IMAGE
 from tests.conftest import Kube
 from tests.nodeagent.origin import serve
 from tests.operator import rest
-from tests.operator.specs import manifest
+from tests.operator.specs import manifest, rendered
 from tests.operator.test_http_source_node import CACHE, agent  # noqa: F401 - fixture
 from tests.support.waiting import wait_for
 
@@ -72,10 +72,7 @@ def _tenant_b_pod(namespace: str, url: str) -> dict[str, Any]:
     spec = parse_spec(_tenant_b(url)["spec"])
     settings = OperatorSettings()
     owner = render.Owner("b", namespace, "u-b")
-    out = {
-        m["kind"]: m
-        for m in render.render(owner, spec, settings, sizing.compute(spec, settings, None))
-    }
+    out = {m["kind"]: m for m in rendered(owner, spec, settings)}
     template = out["Deployment"]["spec"]["template"]
     pod_spec = template["spec"]
     prewarm = pod_spec["initContainers"][0]

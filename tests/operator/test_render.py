@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from ember_operator import render, sizing
+from ember_operator import render
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
 from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.contract.wire import dump_yaml
 
-from tests.operator.specs import manifest
+from tests.operator.specs import manifest, rendered, size_of
 
 OWNER = render.Owner(name="demo", namespace="ns", uid="u-1")
 SETTINGS = OperatorSettings(runtime_image="example/runtime:1")
@@ -19,8 +19,7 @@ SETTINGS = OperatorSettings(runtime_image="example/runtime:1")
 
 def _render(settings: OperatorSettings = SETTINGS, **overrides: Any) -> dict[str, dict[str, Any]]:
     spec = parse_spec(manifest(**overrides)["spec"])
-    sized = sizing.compute(spec, settings, None)
-    return {m["kind"]: m for m in render.render(OWNER, spec, settings, sized)}
+    return {m["kind"]: m for m in rendered(OWNER, spec, settings)}
 
 
 def _hash_of(out: dict[str, dict[str, Any]]) -> str:
@@ -279,8 +278,8 @@ def test_libyaml_dumps_what_the_python_dumper_does() -> None:
     a byte of difference from PyYAML's own SafeDumper would re-apply every child and roll
     every replica the first time an upgraded operator reconciles."""
     spec = parse_spec(manifest(model={**manifest()["spec"]["model"], "name": "é ✓ 'x'"})["spec"])
-    sized = sizing.compute(spec, SETTINGS, None)
-    config = render.runtime_config(spec, SETTINGS, sized).model_dump(mode="json", by_alias=True)
+    sized = size_of(spec, SETTINGS)
+    config = render.runtime_config(spec, SETTINGS).model_dump(mode="json", by_alias=True)
     odd = {"long": "y" * 300, "lines": "a\nb", "empty": "", "none": None, "words": ["yes", "1e3"]}
     for data, sort_keys in ((config, False), (sized.as_dict(), True), (odd, False)):
         assert dump_yaml(data, sort_keys=sort_keys) == yaml.safe_dump(data, sort_keys=sort_keys)
@@ -288,10 +287,10 @@ def test_libyaml_dumps_what_the_python_dumper_does() -> None:
 
 def test_schema_valid_but_unservable_specs_are_problems() -> None:
     spec = parse_spec(manifest(prewarm={"sharedMemoryLimit": "1Mi"})["spec"])
-    sized = sizing.compute(spec, SETTINGS, None)
+    sized = size_of(spec, SETTINGS)
     assert [p.reason for p in render.problems(spec, sized)] == ["SharedMemoryTooSmall"]
     ok = parse_spec(manifest()["spec"])
-    assert render.problems(ok, sizing.compute(ok, SETTINGS, None)) == []
+    assert render.problems(ok, size_of(ok, SETTINGS)) == []
 
 
 def _sensors_root(out: dict[str, dict[str, Any]]) -> str:

@@ -6,12 +6,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_operator import quantity, sizing
+import yaml
+from ember_operator import quantity, render, sizing
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
 from ember_runtime import memory
+from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.server.preflight import preflight
 
-from tests.operator.specs import manifest
+from tests.operator.specs import manifest, rendered, size_of
 
 MIB = 2**20
 
@@ -65,7 +68,7 @@ def test_memory_covers_tmpfs_weights_kv_and_compute(gemma_gguf: Path) -> None:
     spec = parse_spec(_spec_for(gemma_gguf, engine={"contextLength": 4096}))
     shape = sizing.find_gguf_shape(spec, settings)
     assert shape is not None, "the hostPath file should be found and read"
-    sized = sizing.compute(spec, settings, shape)
+    sized = size_of(spec, settings, shape)
     assert sized.source == "gguf-header"
     # one KV stream of contextLength cells for each of maxBatchSize (16) sequences
     assert sized.kv_cache_bytes == 18 * 4096 * 16 * 1 * (256 + 256) * 2
@@ -78,7 +81,7 @@ def test_memory_covers_tmpfs_weights_kv_and_compute(gemma_gguf: Path) -> None:
 def test_without_prewarm_the_page_cache_is_counted_instead(gemma_gguf: Path) -> None:
     settings = OperatorSettings()
     spec = parse_spec(_spec_for(gemma_gguf, prewarm={"enabled": False}))
-    sized = sizing.compute(spec, settings, sizing.find_gguf_shape(spec, settings))
+    sized = size_of(spec, settings, sizing.find_gguf_shape(spec, settings))
     assert sized.shared_memory_bytes == 0
     assert sized.memory_bytes >= gemma_gguf.stat().st_size + sized.compute_buffer_bytes
 
@@ -88,8 +91,8 @@ def test_bigger_batch_means_more_memory(gemma_gguf: Path) -> None:
     small = parse_spec(_spec_for(gemma_gguf, engine={"maxBatchSize": 4, "minBatchSize": 1}))
     large = parse_spec(_spec_for(gemma_gguf, engine={"maxBatchSize": 32}))
     shape = memory.read_gguf_shape(gemma_gguf)
-    sized_small = sizing.compute(small, settings, shape)
-    sized_large = sizing.compute(large, settings, shape)
+    sized_small = size_of(small, settings, shape)
+    sized_large = size_of(large, settings, shape)
     assert sized_large.kv_cache_bytes == 8 * sized_small.kv_cache_bytes
     assert sized_small.memory_bytes < sized_large.memory_bytes
 
@@ -98,18 +101,18 @@ def test_missing_header_falls_back_to_a_stated_estimate(tmp_path: Path) -> None:
     settings = OperatorSettings()
     spec = parse_spec(manifest()["spec"])  # hostPath not present on this machine
     assert sizing.find_gguf_shape(spec, settings) is None
-    sized = sizing.compute(spec, settings, None)
+    sized = size_of(spec, settings, None)
     assert sized.source == "estimate"
     assert sized.compute_buffer_bytes >= 512 * MIB
 
 
 def test_threads_follow_the_cpu_limit() -> None:
     settings = OperatorSettings(default_cpu="1")
-    assert sizing.compute(parse_spec(manifest()["spec"]), settings, None).threads == 1
+    assert size_of(parse_spec(manifest()["spec"]), settings, None).threads == 1
     limited = manifest(resources={"limits": {"cpu": "2500m", "memory": "2Gi"}})
-    assert sizing.compute(parse_spec(limited["spec"]), settings, None).threads == 2
+    assert size_of(parse_spec(limited["spec"]), settings, None).threads == 2
     pinned = manifest(engine={"threads": 3})
-    assert sizing.compute(parse_spec(pinned["spec"]), settings, None).threads == 3
+    assert size_of(parse_spec(pinned["spec"]), settings, None).threads == 3
 
 
 def test_startup_probe_allows_a_slow_load() -> None:
@@ -121,7 +124,7 @@ def test_startup_probe_allows_a_slow_load() -> None:
             "files": [{"path": "m.gguf", "sha256": "0" * 64, "sizeBytes": 4000 * MIB}],
         }
     )
-    sized = sizing.compute(parse_spec(big["spec"]), settings, None)
+    sized = size_of(parse_spec(big["spec"]), settings, None)
     allowed = sized.startup_period_seconds * sized.startup_failure_threshold
     assert allowed >= 30 + 400  # 4000 MiB at 10 MiB/s
 
@@ -139,10 +142,8 @@ def test_offloaded_layers_leave_the_host_memory(gemma_gguf: Path) -> None:
     settings = OperatorSettings()
     shape = memory.read_gguf_shape(gemma_gguf)
     gpu = {"accelerator": {"kind": "nvidia-gpu"}, "prewarm": {"enabled": False}}
-    cpu = sizing.compute(
-        parse_spec(_spec_for(gemma_gguf, prewarm={"enabled": False})), settings, shape
-    )
-    full = sizing.compute(parse_spec(_spec_for(gemma_gguf, **gpu)), settings, shape)
+    cpu = size_of(parse_spec(_spec_for(gemma_gguf, prewarm={"enabled": False})), settings, shape)
+    full = size_of(parse_spec(_spec_for(gemma_gguf, **gpu)), settings, shape)
     # Every layer on the device: weights, KV cache and compute graph leave the host figure,
     # which keeps the logits and the runtime's own overhead.
     assert full.gpu_layers == memory.ALL_LAYERS
@@ -156,7 +157,7 @@ def test_offloaded_layers_leave_the_host_memory(gemma_gguf: Path) -> None:
     assert figures["device_memory_bytes"] == full.device_memory_bytes > cpu.kv_cache_bytes
     assert figures["deviceMemory"].endswith("Mi")
     # Half of the 18 layers: half the KV cells on each side, the graph buffer on both.
-    half = sizing.compute(
+    half = size_of(
         parse_spec(_spec_for(gemma_gguf, **gpu, engine={"gpuLayers": 9})), settings, shape
     )
     assert half.kv_cache_bytes == half.device_kv_cache_bytes == cpu.kv_cache_bytes // 2
@@ -167,7 +168,7 @@ def test_offloaded_layers_leave_the_host_memory(gemma_gguf: Path) -> None:
 def test_prewarm_volume_still_holds_every_weight_on_a_gpu(gemma_gguf: Path) -> None:
     settings = OperatorSettings()
     spec = parse_spec(_spec_for(gemma_gguf, accelerator={"kind": "nvidia-gpu"}))
-    sized = sizing.compute(spec, settings, memory.read_gguf_shape(gemma_gguf))
+    sized = size_of(spec, settings, memory.read_gguf_shape(gemma_gguf))
     assert sized.kv_cache_bytes == 0
     assert sized.memory_bytes >= sized.shared_memory_bytes >= gemma_gguf.stat().st_size
 
@@ -175,8 +176,8 @@ def test_prewarm_volume_still_holds_every_weight_on_a_gpu(gemma_gguf: Path) -> N
 def test_cpu_and_zero_layers_keep_their_figures(gemma_gguf: Path) -> None:
     settings = OperatorSettings()
     shape = memory.read_gguf_shape(gemma_gguf)
-    cpu = sizing.compute(parse_spec(_spec_for(gemma_gguf)), settings, shape)
-    zero = sizing.compute(
+    cpu = size_of(parse_spec(_spec_for(gemma_gguf)), settings, shape)
+    zero = size_of(
         parse_spec(
             _spec_for(gemma_gguf, accelerator={"kind": "nvidia-gpu"}, engine={"gpuLayers": 0})
         ),
@@ -200,7 +201,7 @@ def test_without_a_header_the_gpu_estimate_is_an_upper_bound_on_both_sides() -> 
             engine={"gpuLayers": 10},
         )["spec"]
     )
-    full, some = sizing.compute(gpu, settings, None), sizing.compute(partial, settings, None)
+    full, some = size_of(gpu, settings, None), size_of(partial, settings, None)
     assert full.kv_cache_bytes == 0 and full.device_kv_cache_bytes > 0
     # Unknown depth: 10 layers may be all of them or a few, so each side counts everything.
     assert some.kv_cache_bytes == some.device_kv_cache_bytes == full.device_kv_cache_bytes
@@ -215,9 +216,40 @@ def test_an_embedding_deployment_is_sized_for_every_token_as_an_output(gemma_ggu
     spec = _spec_for(gemma_gguf)
     spec["model"].update(task="embed", pooling="mean")
     embed = parse_spec(spec)
-    sized = sizing.compute(embed, settings, shape)
+    sized = size_of(embed, settings, shape)
     assert sized.kv_cache_bytes == 18 * 2048 * 1 * (256 + 256) * 2  # one pool of 2048 cells
     every_row = 2 * shape.vocab * 2048 * 4
     assert every_row <= sized.compute_buffer_bytes <= 1.1 * every_row
-    generate = sizing.compute(parse_spec(_spec_for(gemma_gguf)), settings, shape)
+    generate = size_of(parse_spec(_spec_for(gemma_gguf)), settings, shape)
     assert sized.memory_bytes > generate.memory_bytes + 3 * 2**30  # ~4 GiB more at 2048
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {},
+        {"deterministic": True},
+        {"contextLength": 512, "maxBatchSize": 4},
+        # The previous release's flag: the runtime's engine honours it (separate KV streams),
+        # so the operator must size for it too, not for what `deterministic` alone implies.
+        {"args": {"exactBatching": "true"}},
+    ],
+)
+def test_the_pod_is_sized_for_what_the_runtime_checks(
+    gemma_gguf: Path, tmp_path: Path, engine: dict[str, Any]
+) -> None:
+    """The operator's figures and the runtime's preflight come from the one config the
+    ConfigMap carries, so they cannot disagree about the engine's memory."""
+    settings = OperatorSettings()
+    spec = parse_spec(_spec_for(gemma_gguf, engine=engine))
+    owner = render.Owner(name="demo", namespace="ns", uid="u-1")
+    (cm,) = [m for m in rendered(owner, spec, settings, memory.read_gguf_shape(gemma_gguf))
+             if m["kind"] == "ConfigMap"]  # fmt: skip
+    config = RuntimeConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    figures = yaml.safe_load(cm["data"]["sizing.yaml"])
+    need = preflight(config, gemma_gguf, tmp_path)  # no memory.max here: no limit to check
+    assert need is not None
+    assert (need.kv_cache, need.compute_buffer) == (
+        figures["kv_cache_bytes"],
+        figures["compute_buffer_bytes"],
+    )

@@ -28,7 +28,17 @@ from ember_runtime.contract.thermal import (
     ThermalPolicy,
 )
 from ember_runtime.contract.wire import Wire, dump_yaml
-from ember_runtime.memory import DEFAULT_STEP_TOKENS, offloaded_layers, unified_kv
+from ember_runtime.memory import (
+    DEFAULT_STEP_TOKENS,
+    RUNTIME_OVERHEAD_BYTES,
+    EngineMemory,
+    GGUFShape,
+    Offload,
+    embedding_memory,
+    engine_memory,
+    offloaded_layers,
+    unified_kv,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_CONFIG_PATH = Path("/etc/ember/config.yaml")
@@ -254,6 +264,32 @@ class RuntimeConfig(Wire):
         """The thermal policy for this engine's capacity: what the governor applies (a floor
         above the capacity is capped by it; the CRD refuses engine.minBatchSize > maxBatchSize)."""
         return self.thermal.limits(self.engine.max_batch_size)
+
+    def offload(self, layers: int | None) -> Offload:
+        """How the engine splits a model of `layers` layers (None: not known) between host
+        and device memory."""
+        return Offload.of(self.engine.offloaded_layers(self.accelerator), layers)
+
+    def engine_memory(
+        self, shape: GGUFShape, overhead: int = RUNTIME_OVERHEAD_BYTES
+    ) -> EngineMemory:
+        """What the engine this config starts allocates besides the weights: the one figure
+        the operator sizes the pod with and the runtime checks its cgroup limit against, both
+        read from the same config (context, batch, step, KV layout, offload, task)."""
+        engine, offload = self.engine, self.offload(shape.layers)
+        if self.task == "embed":
+            return embedding_memory(
+                shape, context=engine.context_length, overhead=overhead, offload=offload
+            )
+        return engine_memory(
+            shape,
+            context=engine.context_length,
+            sequences=engine.max_batch_size,
+            step_tokens=engine.step_tokens,
+            overhead=overhead,
+            unified=engine.llamacpp_modes().kv_unified,
+            offload=offload,
+        )
 
     def total_bytes(self) -> int:
         return sum(f.size_bytes for f in self.files)

@@ -1,5 +1,6 @@
-"""The server's memory check before it loads anything (`memory.py` holds the sizing rule; this
-reads the runtime config, which itself imports `memory`'s defaults: kept apart, no circle)."""
+"""The server's memory check before it loads anything: the config's own figure
+(`RuntimeConfig.engine_memory`, the rule in `memory.py` that the operator sized the pod with)
+against the container's cgroup limit."""
 
 from __future__ import annotations
 
@@ -9,11 +10,8 @@ from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.engines.embedding import check_pooling
 from ember_runtime.memory import (
     EngineMemory,
-    Offload,
     cgroup_memory_limit,
     check_limit,
-    embedding_memory,
-    engine_memory,
     read_gguf_shape,
 )
 
@@ -31,20 +29,8 @@ def preflight(config: RuntimeConfig, model: Path, cgroup_root: Path) -> EngineMe
     if config.task == "embed":
         check_pooling(model, config.pooling)  # a ValueError says to set model.pooling
     shape = read_gguf_shape(model)
-    offload = Offload.of(config.engine.offloaded_layers(config.accelerator), shape.layers)
-    need = (
-        embedding_memory(shape, context=config.engine.context_length, offload=offload)
-        if config.task == "embed"
-        else engine_memory(
-            shape,
-            context=config.engine.context_length,
-            sequences=config.engine.max_batch_size,
-            step_tokens=config.engine.step_tokens,
-            unified=config.engine.llamacpp_modes().kv_unified,
-            offload=offload,
-        )
-    )
+    need = config.engine_memory(shape)
     prewarmed = config.prewarm_dir is not None and model.is_relative_to(config.prewarm_dir)
-    weights = 0 if prewarmed else offload.split(model.stat().st_size)[0]
+    weights = 0 if prewarmed else config.offload(shape.layers).split(model.stat().st_size)[0]
     check_limit(need, weights, cgroup_memory_limit(cgroup_root))
     return need
