@@ -29,8 +29,9 @@ from ember_runtime.contract.thermal import (
 from ember_runtime.thermal.governor import Governor
 
 CONTRACT = Path(__file__).resolve().parent.parent / "runtime" / "ember_runtime" / "contract"
-# What the contract may import from Ember: itself, and the pure sizing rule (stdlib only).
-ALLOWED = ("ember_runtime.contract", "ember_runtime.memory", "ember_runtime.gguf_header")
+# What the contract may import from Ember: itself only (the sizing rule reads the contract's
+# config, not the other way round).
+ALLOWED = ("ember_runtime.contract",)
 
 
 def _ember_imports(path: Path) -> set[str]:

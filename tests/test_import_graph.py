@@ -89,7 +89,7 @@ def test_the_graph_is_read() -> None:
     assert "ember_operator.handlers" in edges["ember_operator.__main__"] | {
         m for targets in edges.values() for m in targets
     }
-    assert "ember_runtime.memory" in edges["ember_runtime.contract.config"]
+    assert "ember_runtime.contract.config" in edges["ember_runtime.memory"]
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGES))

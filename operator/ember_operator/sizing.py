@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from ember_runtime.contract.config import RuntimeConfig
-from ember_runtime.memory import GGUFShape, Offload, kv_cells, read_gguf_shape
+from ember_runtime.memory import (
+    GGUFShape,
+    Offload,
+    kv_cells,
+    offload_for,
+    read_gguf_shape,
+    replica_memory,
+)
 
 from ember_operator import quantity
 from ember_operator.api.models import InferenceDeploymentSpec, ModelFormat
@@ -115,7 +122,7 @@ def _engine_need(
 ) -> tuple[int, int, int, int]:
     """(host KV, host compute, device KV, device compute) bytes for one replica."""
     if shape is not None:  # the runtime checks the same figure, from the same config, at start
-        need = config.engine_memory(shape, overhead)
+        need = replica_memory(config, shape, overhead)
         return need.kv_cache, need.compute_buffer, need.device_kv_cache, need.device_compute_buffer
     kv, buf = _estimate(total, kv_cells(config.engine.context_length, config.engine.max_batch_size))
     host_kv, device_kv = offload.split(kv)
@@ -160,7 +167,7 @@ def compute(
     total = model_bytes(spec)
     shm = shared_memory_bytes(spec)
     overhead = settings.runtime_overhead_mib * quantity.MIB
-    offload = config.offload(shape.layers if shape is not None else None)
+    offload = offload_for(config, shape.layers if shape is not None else None)
     kv, buf, device_kv, device_buf = _engine_need(config, shape, total, overhead, offload)
     host_weights, device_weights = offload.split(total)
     # The prewarm volume holds every weight in host memory; without it, the page cache of the

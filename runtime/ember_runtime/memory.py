@@ -1,8 +1,11 @@
 """How much memory the llama.cpp engine allocates: one rule for the operator and the runtime.
 
-The operator sizes the pod with these functions (`ember_operator.sizing`) and the runtime
-checks, before it loads anything, that the same figure fits under its container's cgroup limit
-(`check_limit`), refusing to start with a one-line reason rather than being OOM-killed later.
+Both sides call `replica_memory` on the one `RuntimeConfig` the ConfigMap carries: the operator
+sizes the pod with it (`ember_operator.sizing`, on the config it is about to write) and the
+runtime checks, before it loads anything, that the same figure fits under its container's
+cgroup limit (`check_limit`, on the config it read), refusing to start with a one-line reason
+rather than being OOM-killed later. The engine's modes and their defaults (step tokens, KV
+layout, offloaded layers) are the contract's (`contract/config.py`).
 
 * KV cache: the engine gives every sequence its own KV stream of `contextLength` cells, so it
   allocates `contextLength x maxBatchSize` cells (`kv_cells`): layers x cells x KV heads x
@@ -35,32 +38,18 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ember_runtime.contract.config import (
+    ALL_LAYERS,
+    DEFAULT_STEP_TOKENS,
+    UNIFIED_BY_DEFAULT,
+    RuntimeConfig,
+)
 from ember_runtime.gguf_header import LongArray, read_header
 
 F16_BYTES = 2
 F32_BYTES = 4
 MIB = 1 << 20
 RUNTIME_OVERHEAD_BYTES = 192 * MIB  # measured RSS of the idle server besides the model
-# Prompt tokens per step beside the decodes (engines/scheduler). 1024: a burst of 16 prompts
-# of ~75 tokens goes in one step, as llama-server's n_batch takes it; 256 cut it into five
-# steps, each paying the decode rows' 262k-wide output layer again (TTFT p99 1.50 s against
-# llama-server's 1.21 s at 16 clients; 1.13 s at 1024, in runs of bench/runtime_bench.py with
-# `--servers ember:stepTokens=...` at 32 requests; the default's full run is in bench/results).
-DEFAULT_STEP_TOKENS = 1024
-# llama.cpp offloads min(n_gpu_layers, layers + 1): any count above every model's depth is "all".
-ALL_LAYERS = 999
-# Fast mode keeps all sequences in one KV pool (llama-server's -kvu); deterministic mode never.
-# Any mix of decode rows and prompt chunks is one micro-batch, and a burst with a shared system
-# prompt computes it once (shared-chat at 16 clients: 2.2x the tok/s of per-sequence streams,
-# TTFT p99 0.55 s against 3.97 s; `--servers ember:kvUnified=...`, 32 requests).
-UNIFIED_BY_DEFAULT = True
-
-
-def offloaded_layers(gpu_layers: int | None, accelerator: str) -> int:
-    """The `n_gpu_layers` llama.cpp gets: what the spec says, else all of them on a GPU."""
-    if gpu_layers is not None:
-        return gpu_layers
-    return ALL_LAYERS if accelerator == "nvidia-gpu" else 0
 
 
 @dataclass(frozen=True)
@@ -88,13 +77,6 @@ class Offload:
 
 
 CPU_ONLY = Offload(host=1.0, device=0.0)
-
-
-def unified_kv(deterministic: bool, setting: bool | None = None) -> bool:
-    """The KV layout the engine uses: one pool, or one stream per sequence."""
-    if deterministic:
-        return False
-    return UNIFIED_BY_DEFAULT if setting is None else setting
 
 
 @dataclass(frozen=True)
@@ -265,6 +247,33 @@ def embedding_memory(
         overhead=overhead,
         device_kv_cache=device_kv,
         device_compute_buffer=graph if offload.device else 0,
+    )
+
+
+def offload_for(config: RuntimeConfig, layers: int | None) -> Offload:
+    """How the engine `config` starts splits a model of `layers` layers (None: not known)."""
+    return Offload.of(config.engine.offloaded_layers(config.accelerator), layers)
+
+
+def replica_memory(
+    config: RuntimeConfig, shape: GGUFShape, overhead: int = RUNTIME_OVERHEAD_BYTES
+) -> EngineMemory:
+    """What the engine `config` starts allocates besides the weights: the figure the operator
+    sizes the pod with and the runtime checks its cgroup limit against, both from the one
+    config the ConfigMap carries (context, batch, step, KV layout, offload, task)."""
+    engine, offload = config.engine, offload_for(config, shape.layers)
+    if config.task == "embed":
+        return embedding_memory(
+            shape, context=engine.context_length, overhead=overhead, offload=offload
+        )
+    return engine_memory(
+        shape,
+        context=engine.context_length,
+        sequences=engine.max_batch_size,
+        step_tokens=engine.step_tokens,
+        overhead=overhead,
+        unified=engine.llamacpp_modes().kv_unified,
+        offload=offload,
     )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from ember_runtime import memory
 from ember_runtime.contract import reasons
-from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.contract.config import ALL_LAYERS, RuntimeConfig, offloaded_layers
 from ember_runtime.server.preflight import preflight
 
 from tests.support.server_exit import refused_start
@@ -93,13 +93,13 @@ def test_runtime_refuses_to_start_under_a_small_limit(model_path: Path, tmp_path
 
 def test_offload_splits_by_layer() -> None:
     assert memory.Offload.of(0, 18) == memory.CPU_ONLY
-    assert memory.Offload.of(memory.ALL_LAYERS, 18) == memory.Offload(host=0.0, device=1.0)
+    assert memory.Offload.of(ALL_LAYERS, 18) == memory.Offload(host=0.0, device=1.0)
     assert memory.Offload.of(9, 18).split(1000) == (500, 500)
-    assert memory.Offload.of(memory.ALL_LAYERS, None) == memory.Offload(host=0.0, device=1.0)
+    assert memory.Offload.of(ALL_LAYERS, None) == memory.Offload(host=0.0, device=1.0)
     assert memory.Offload.of(4, None) == memory.Offload(host=1.0, device=1.0)
-    assert memory.offloaded_layers(None, "nvidia-gpu") == memory.ALL_LAYERS
-    assert memory.offloaded_layers(None, "cpu") == 0
-    assert memory.offloaded_layers(5, "cpu") == 5
+    assert offloaded_layers(None, "nvidia-gpu") == ALL_LAYERS
+    assert offloaded_layers(None, "cpu") == 0
+    assert offloaded_layers(5, "cpu") == 5
 
 
 def test_offloaded_kv_cache_is_not_charged_to_the_container(

@@ -14,6 +14,8 @@ replica's view of it (prewarm/cachewait.py); the operator renders the labels and
 
 from __future__ import annotations
 
+from pathlib import Path
+
 BLOBS_DIR = "sha256"
 FAILED_DIR = "failed"
 WAITING_DIR = "waiting"
@@ -36,6 +38,15 @@ def is_digest(name: str) -> bool:
 
 def partial_name(name: str) -> str:
     return f"{name}{PARTIAL_SUFFIX}"
+
+
+def entry_size(path: Path) -> int:
+    """The size of a cache file, 0 when it is not there (yet, or any more: an eviction or a
+    finished download may move it between a listing and this call)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 # What the node agent fetches comes from an InferenceDeployment's own spec (validated by its

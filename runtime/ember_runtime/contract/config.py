@@ -28,17 +28,6 @@ from ember_runtime.contract.thermal import (
     ThermalPolicy,
 )
 from ember_runtime.contract.wire import Wire, dump_yaml
-from ember_runtime.memory import (
-    DEFAULT_STEP_TOKENS,
-    RUNTIME_OVERHEAD_BYTES,
-    EngineMemory,
-    GGUFShape,
-    Offload,
-    embedding_memory,
-    engine_memory,
-    offloaded_layers,
-    unified_kv,
-)
 
 log = logging.getLogger(__name__)
 DEFAULT_CONFIG_PATH = Path("/etc/ember/config.yaml")
@@ -86,6 +75,35 @@ def fetch_from_spec(model: Any) -> ModelFetch | None:
         if f.get("path") in urls
     ]
     return ModelFetch.model_validate({"secretRef": secret.get("name"), "files": files})
+
+
+# Prompt tokens per step beside the decodes (engines/scheduler). 1024: a burst of 16 prompts
+# of ~75 tokens goes in one step, as llama-server's n_batch takes it; 256 cut it into five
+# steps, each paying the decode rows' 262k-wide output layer again (TTFT p99 1.50 s against
+# llama-server's 1.21 s at 16 clients; 1.13 s at 1024, in runs of bench/runtime_bench.py with
+# `--servers ember:stepTokens=...` at 32 requests; the default's full run is in bench/results).
+DEFAULT_STEP_TOKENS = 1024
+# llama.cpp offloads min(n_gpu_layers, layers + 1): any count above every model's depth is "all".
+ALL_LAYERS = 999
+# Fast mode keeps all sequences in one KV pool (llama-server's -kvu); deterministic mode never.
+# Any mix of decode rows and prompt chunks is one micro-batch, and a burst with a shared system
+# prompt computes it once (shared-chat at 16 clients: 2.2x the tok/s of per-sequence streams,
+# TTFT p99 0.55 s against 3.97 s; `--servers ember:kvUnified=...`, 32 requests).
+UNIFIED_BY_DEFAULT = True
+
+
+def offloaded_layers(gpu_layers: int | None, accelerator: str) -> int:
+    """The `n_gpu_layers` llama.cpp gets: what the spec says, else all of them on a GPU."""
+    if gpu_layers is not None:
+        return gpu_layers
+    return ALL_LAYERS if accelerator == "nvidia-gpu" else 0
+
+
+def unified_kv(deterministic: bool, setting: bool | None = None) -> bool:
+    """The KV layout the engine uses: one pool, or one stream per sequence."""
+    if deterministic:
+        return False
+    return UNIFIED_BY_DEFAULT if setting is None else setting
 
 
 class EngineSettings(Wire):
@@ -264,32 +282,6 @@ class RuntimeConfig(Wire):
         """The thermal policy for this engine's capacity: what the governor applies (a floor
         above the capacity is capped by it; the CRD refuses engine.minBatchSize > maxBatchSize)."""
         return self.thermal.limits(self.engine.max_batch_size)
-
-    def offload(self, layers: int | None) -> Offload:
-        """How the engine splits a model of `layers` layers (None: not known) between host
-        and device memory."""
-        return Offload.of(self.engine.offloaded_layers(self.accelerator), layers)
-
-    def engine_memory(
-        self, shape: GGUFShape, overhead: int = RUNTIME_OVERHEAD_BYTES
-    ) -> EngineMemory:
-        """What the engine this config starts allocates besides the weights: the one figure
-        the operator sizes the pod with and the runtime checks its cgroup limit against, both
-        read from the same config (context, batch, step, KV layout, offload, task)."""
-        engine, offload = self.engine, self.offload(shape.layers)
-        if self.task == "embed":
-            return embedding_memory(
-                shape, context=engine.context_length, overhead=overhead, offload=offload
-            )
-        return engine_memory(
-            shape,
-            context=engine.context_length,
-            sequences=engine.max_batch_size,
-            step_tokens=engine.step_tokens,
-            overhead=overhead,
-            unified=engine.llamacpp_modes().kv_unified,
-            offload=offload,
-        )
 
     def total_bytes(self) -> int:
         return sum(f.size_bytes for f in self.files)

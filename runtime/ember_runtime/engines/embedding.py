@@ -44,7 +44,7 @@ from ember_runtime.engines.base import (
     StepObserver,
     StepStats,
 )
-from ember_runtime.engines.llamacpp import free_native, load_model, tokenize
+from ember_runtime.engines.llamacpp import NativeLoop, free_native, load_model, tokenize
 from ember_runtime.gguf_header import read_header
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def plan_step(pending: Iterable[Job], max_seqs: int, max_tokens: int) -> list[tu
     return items
 
 
-class LlamaCppEmbedder:
+class LlamaCppEmbedder(NativeLoop):
     """The `Engine` (and `Embedder`) for GGUF embedding through llama.cpp."""
 
     def __init__(
@@ -185,15 +185,6 @@ class LlamaCppEmbedder:
             log.exception("embedding loop crashed")
         finally:
             self._fail_pending(EngineStoppingError("the engine stopped"))
-
-    async def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-        self._free()
 
     def _load(self) -> None:
         self._ll, self._model = load_model(self._path, gpu_layers=self._gpu_layers, repack=True)

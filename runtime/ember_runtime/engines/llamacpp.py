@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from ember_runtime.contract.config import DEFAULT_STEP_TOKENS, unified_kv
 from ember_runtime.engines import device_sampling, sampling
 from ember_runtime.engines.base import (
     ChatMessage,
@@ -94,7 +95,6 @@ from ember_runtime.engines.scheduler import (
 )
 from ember_runtime.engines.text import TextAssembler
 from ember_runtime.engines.tools import OPEN, builtin_messages, tools_in_messages
-from ember_runtime.memory import DEFAULT_STEP_TOKENS, unified_kv
 
 log = logging.getLogger(__name__)
 
@@ -362,7 +362,29 @@ class _Sequence:
         return len(self.prompt)
 
 
-class LlamaCppEngine:
+class NativeLoop:
+    """What both llama.cpp engines (this one and engines/embedding) share: one worker thread
+    that owns the native context, woken through `_cond`, and the native memory freed only
+    once that thread has stopped."""
+
+    _cond: threading.Condition
+    _stopping: bool
+    _thread: threading.Thread | None
+
+    def _free(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        self._free()
+
+
+class LlamaCppEngine(NativeLoop):
     """The `Engine` for GGUF models through llama.cpp: on the CPU, or with `gpu_layers` of the
     model (and their KV cache) in GPU memory when llama.cpp was built with CUDA."""
 
@@ -473,15 +495,6 @@ class LlamaCppEngine:
             return
         loaded.set_result(None)
         self._run()
-
-    async def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-        self._free()
 
     def _load(self) -> None:
         self._ll, self._model = load_model(

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from ember_runtime.memory import DEFAULT_STEP_TOKENS
+from ember_runtime.contract.config import DEFAULT_STEP_TOKENS
 
 
 class Schedulable(Protocol):

@@ -26,9 +26,8 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from ember_runtime.contract.cache import USED_DIR, is_digest
+from ember_runtime.contract.cache import USED_DIR, entry_size, is_digest
 from ember_runtime.kube import KubeClient
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.fetcher import PodFetch
@@ -92,7 +91,7 @@ class Evictor:
 
     def evict(self, used: set[str]) -> Pass:
         self._stamp(used)
-        sizes = {sha: _size(self.cache.path(sha)) for sha in self.cache.held()}
+        sizes = {sha: entry_size(self.cache.path(sha)) for sha in self.cache.held()}
         total = sum(sizes.values())
         evicted: list[str] = []
         candidates = sorted((sha for sha in sizes if sha not in used), key=self.last_used)
@@ -137,10 +136,3 @@ class Evictor:
         self.views.remove(sha)  # its hard link would keep the bytes on disk
         self.cache.path(sha).unlink(missing_ok=True)
         (self.stamps / sha).unlink(missing_ok=True)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

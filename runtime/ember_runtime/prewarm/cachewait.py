@@ -30,22 +30,15 @@ from pathlib import Path
 from typing import TextIO
 
 from ember_runtime.contract import reasons
-from ember_runtime.contract.cache import VIEW_FAILED, VIEW_WAITING, partial_name
+from ember_runtime.contract.cache import VIEW_FAILED, VIEW_WAITING, entry_size, partial_name
 from ember_runtime.contract.config import ModelFile, RuntimeConfig
 from ember_runtime.prewarm.errors import Interrupted, PrewarmError
 
 NODE_ENV = "NODE_NAME"  # the downward API's spec.nodeName, in every Ember pod's env
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
 def _held(config: RuntimeConfig, f: ModelFile) -> bool:
-    return _size(config.source_file(f)) == f.size_bytes
+    return entry_size(config.source_file(f)) == f.size_bytes
 
 
 def _done_bytes(config: RuntimeConfig) -> int:
@@ -54,7 +47,7 @@ def _done_bytes(config: RuntimeConfig) -> int:
     for f in config.files:
         final = config.source_file(f)
         partial = final.with_name(partial_name(final.name))
-        total += f.size_bytes if _held(config, f) else min(_size(partial), f.size_bytes)
+        total += f.size_bytes if _held(config, f) else min(entry_size(partial), f.size_bytes)
     return total
 
 

@@ -1,5 +1,5 @@
 """The server's memory check before it loads anything: the config's own figure
-(`RuntimeConfig.engine_memory`, the rule in `memory.py` that the operator sized the pod with)
+(`memory.replica_memory`, the rule the operator sized the pod with, from the same config)
 against the container's cgroup limit."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from ember_runtime.memory import (
     EngineMemory,
     cgroup_memory_limit,
     check_limit,
+    offload_for,
     read_gguf_shape,
+    replica_memory,
 )
 
 
@@ -29,8 +31,8 @@ def preflight(config: RuntimeConfig, model: Path, cgroup_root: Path) -> EngineMe
     if config.task == "embed":
         check_pooling(model, config.pooling)  # a ValueError says to set model.pooling
     shape = read_gguf_shape(model)
-    need = config.engine_memory(shape)
+    need = replica_memory(config, shape)
     prewarmed = config.prewarm_dir is not None and model.is_relative_to(config.prewarm_dir)
-    weights = 0 if prewarmed else config.offload(shape.layers).split(model.stat().st_size)[0]
+    weights = 0 if prewarmed else offload_for(config, shape.layers).split(model.stat().st_size)[0]
     check_limit(need, weights, cgroup_memory_limit(cgroup_root))
     return need
