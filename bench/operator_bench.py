@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ember_operator import render, sizing
+from ember_operator import render
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
 from ember_runtime.contract.cache import INSTANCE_LABEL
@@ -57,7 +57,7 @@ from tests.cluster.fleet import node_manifest
 from tests.cluster.paths import state_dir
 from tests.cluster.procs import ProcessTable
 from tests.operator import rest
-from tests.operator.specs import fleet_manifest
+from tests.operator.specs import fleet_manifest, rendered
 from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,10 +217,7 @@ def floor_bodies(n: int, ns: str, sites: list[str]) -> list[dict[str, Any]]:
     bodies: list[dict[str, Any]] = list(render.runtime_identity(ns, settings))
     for i in range(n):
         spec = parse_spec(fleet_manifest(f"p{i}", sites)["spec"])
-        owner = render.Owner(f"p{i}", ns, "")
-        config = render.runtime_config(spec, settings)
-        sized = sizing.compute(spec, config, settings, None)
-        for manifest in render.render(owner, spec, config, settings, sized):
+        for manifest in rendered(render.Owner(f"p{i}", ns, ""), spec, settings):
             manifest["metadata"].pop("ownerReferences", None)
             bodies.append(manifest)
     return bodies

@@ -21,7 +21,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tests.drills.common import Operator
 from tests.operator import rest
-from tests.operator.specs import fleet_manifest
+from tests.operator.specs import fleet_manifest, rendered
 
 CHILD_KINDS = {
     "Deployment": "deployments",
@@ -221,10 +221,9 @@ def wanted_digests(obj: dict[str, Any]) -> dict[str, str]:
     stale (say, an edit made while the operator was down that it never applied)."""
     meta, settings = obj["metadata"], load_settings()
     spec = parse_spec(obj["spec"])
-    config = render.runtime_config(spec, settings)
-    sized = sizing.compute(spec, config, settings, sizing.find_gguf_shape(spec, settings))
     owner = render.Owner(meta["name"], meta["namespace"], meta["uid"])
-    return {m["kind"]: stamp(m) for m in render.render(owner, spec, config, settings, sized)}
+    shape = sizing.find_gguf_shape(spec, settings)
+    return {m["kind"]: stamp(m) for m in rendered(owner, spec, settings, shape)}
 
 
 def _check_digests(
