@@ -33,6 +33,7 @@ INDEXES = (
     "deployment_index",
     "pdb_index",
     "pod_index",
+    "node_index",
 )
 # Threads for reconciles (render, then applies that wait on the API server), apart from the
 # default pool that status refreshes use: a burst of new objects queued 1,000 reconciles
@@ -81,6 +82,10 @@ class Context:
     )
     lock: threading.Lock = field(default_factory=threading.Lock)
     identities: set[str] = field(default_factory=set)  # namespaces with the runtime's SA
+    # Rollouts: each revision's (spec, config, sizing), by (uid, revision); and what each Node
+    # with a site last showed (`controller.node_changed` steps rollouts on a change only).
+    revisions: dict[tuple[str, str], Any] = field(default_factory=dict)
+    nodes_seen: dict[str, Any] = field(default_factory=dict)
     requeue: Requeue = field(default_factory=Requeue)
     refreshes: Coalescer = field(default_factory=lambda: Coalescer(STATUS_WINDOW_SECONDS))
     # Kopf's indexes (live views, `INDEXES`), set at start-up: delayed work reads them later.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -43,6 +44,8 @@ from ember_operator.reconcile import (
     pods_of,
     settled,
 )
+from ember_operator.rollout import observe as rollout_observe
+from ember_operator.rollout import sync as rollout_sync
 from ember_operator.status_writer import Observation
 from ember_operator.thermal.nodes import Replica
 
@@ -108,9 +111,13 @@ def _observe(
 
 
 def refresh(ctx: Context, key: Key, indexes: Mapping[str, Any], logger: Any) -> None:
-    """Recompute one object's status from the indexes; writes only if it changed."""
+    """Recompute one object's status from the indexes; writes only if it changed. A rolling
+    object takes a whole reconcile: what its pods and nodes show may move the rollout."""
     body = first(indexes.get("infd_index"), key)
     if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    if (body.get("spec") or {}).get("rollout"):
+        reconcile(ctx, body, indexes, "rollout", 0)
         return
     try:
         ctx.writer.write(body, _observe(ctx, body, indexes))
@@ -135,11 +142,20 @@ def _sync(ctx: Context, body: Mapping[str, Any], indexes: Mapping[str, Any]) -> 
         ctx.writer.write(body, _observe(ctx, body, indexes))  # reports InvalidSpec
         return "invalid"
     deployment = None
-    if not plan.problems:  # else leave any running generation alone; status says why
-        with ctx.owner_lock(key):
-            deployment = apply_children(ctx, key, body, plan, indexes)
-    ctx.writer.write(body, _observe(ctx, body, indexes, deployment))
-    return "problem" if plan.problems else "ok"
+    if plan.problems:  # leave any running generation alone; status says why
+        ctx.writer.write(body, _observe(ctx, body, indexes))
+        return "problem"
+    with ctx.owner_lock(key):
+        deployment = apply_children(ctx, key, body, plan, indexes)
+        if plan.spec.rollout is None:
+            ctx.writer.write(body, _observe(ctx, body, indexes, deployment))
+            return "ok"
+        outcome = rollout_sync.step(ctx, body, plan.spec, indexes)
+        obs = _observe(ctx, body, indexes, outcome.deployment)
+        ctx.writer.write(body, dataclasses.replace(obs, rollout=outcome.status))
+    if outcome.recheck_seconds is not None:  # a bake or a timeout ends then
+        ctx.requeue.soon(key, outcome.recheck_seconds)
+    return "ok"
 
 
 def reconcile(
@@ -153,8 +169,8 @@ def reconcile(
     started = time.monotonic()
     result = "error"
     try:
-        result = _sync(ctx, body, indexes)
         ctx.requeue.clear(key)
+        result = _sync(ctx, body, indexes)
     except ApiException as exc:
         if namespace_terminating(exc):
             ctx.requeue.clear(key)  # its namespace is being deleted, the object with it
@@ -213,6 +229,9 @@ async def owner_changed(ctx: Context, event: Mapping[str, Any], body: Mapping[st
 
 
 def _forget(ctx: Context, body: Mapping[str, Any], key: Key) -> None:
+    if (body.get("spec") or {}).get("rollout"):
+        with contextlib.suppress(ApiException):  # a Node's request then stays: harmless
+            rollout_sync.unstage(ctx, key)
     ctx.writer.forget(key)
     ctx.forget_owner(key)
     with contextlib.suppress(ValidationError):
@@ -270,7 +289,7 @@ async def child_changed(
     readiness counts live in the Deployment's status, so its events also refresh the owner's.
     Async: most events (status updates, our own writes coming back) need no thread at all."""
     gone = event.get("type") == "DELETED"
-    if kind == "Deployment" and not gone:
+    if kind == "Deployment" or gone:  # a rolling object's step repairs its site children
         ctx.refreshes.mark(key)
     if not gone and child_unchanged(ctx, key, kind, body, ctx.indexes):
         return
@@ -295,3 +314,19 @@ def kubelet_warned(ctx: Context, event: Mapping[str, Any], body: Mapping[str, An
     key = kubelet_events.record(ctx, event, body)
     if key is not None:
         refresh(ctx, key, ctx.indexes, kubelet_events.log)
+
+
+def node_changed(ctx: Context, body: Mapping[str, Any], gone: bool) -> None:
+    """A Node with a site changed what a rollout reads (Ready, its labels, a stage request):
+    the rolling objects take a step. Heartbeats that change none of it cost a comparison."""
+    name = str(body["metadata"]["name"])
+    summary = None if gone else rollout_observe.node_summary(body)
+    with ctx.lock:
+        if ctx.nodes_seen.get(name) == summary:
+            return
+        ctx.nodes_seen[name] = summary
+    owners = ctx.indexes.get("infd_index") or {}
+    for key in list(owners):
+        body_ = first(owners, key)
+        if body_ is not None and (body_.get("spec") or {}).get("rollout"):
+            ctx.refreshes.mark(key)

@@ -18,6 +18,8 @@ import kopf
 from ember_operator import context, controller, kopf_setup, kubelet_events, metrics
 from ember_operator.api import GROUP, PLURAL, VERSION
 from ember_operator.reconcile import CHILD_LABELS, key_of
+from ember_operator.render import SITE_LABEL
+from ember_operator.rollout.observe import node_summary
 from ember_operator.settings import load_settings
 
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -40,13 +42,22 @@ def configure(
     deployment_index: kopf.Index[Any, Any],
     pdb_index: kopf.Index[Any, Any],
     pod_index: kopf.Index[Any, Any],
+    node_index: kopf.Index[Any, Any],
     **_: Any,
 ) -> None:
     kopf_setup.configure(settings, {kubelet_events.EVENTS: kubelet_events.FIELD_SELECTOR})
     indexes = dict(
         zip(
             context.INDEXES,
-            (infd_index, configmap_index, service_index, deployment_index, pdb_index, pod_index),
+            (
+                infd_index,
+                configmap_index,
+                service_index,
+                deployment_index,
+                pdb_index,
+                pod_index,
+                node_index,
+            ),
             strict=True,
         )
     )
@@ -121,6 +132,18 @@ async def pod_index(
     *, body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any
 ) -> Any:
     return controller.pod_summary(body, namespace, labels)
+
+
+# Nodes with a site (rollouts read their Ready, labels and stage requests): few fields kept.
+@kopf.index("v1", "nodes", labels={SITE_LABEL: kopf.PRESENT})
+async def node_index(*, body: kopf.Body, **_: Any) -> Any:
+    summary = node_summary(body)
+    return {summary["site"]: summary} if summary else {}
+
+
+@kopf.on.event("v1", "nodes", labels={SITE_LABEL: kopf.PRESENT})
+async def node_event(*, event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    controller.node_changed(memo.ctx, body, event.get("type") == "DELETED")
 
 
 # Events. Async: most need no thread (`controller` takes one only for real work).

@@ -33,6 +33,9 @@ INDEX_BY_KIND = {
 }
 
 
+ROLLOUT_KINDS = {k: v for k, v in INDEX_BY_KIND.items() if k not in ("ConfigMap", "Deployment")}
+
+
 def key_of(namespace: str | None, labels: Mapping[str, str]) -> tuple[str, str] | None:
     owner = labels.get(INSTANCE_LABEL)
     return (str(namespace), owner) if owner else None
@@ -118,17 +121,30 @@ def ensure_identity(ctx: Context, namespace: str) -> None:
 
 def _differences(
     ctx: Context, key: tuple[str, str], plan: Plan, indexes: Mapping[str, Any]
-) -> tuple[dict[str, Any], set[str], list[str]]:
-    """(live children by kind, kinds to write, kinds to delete — e.g. a PDB after scaling to
-    one), from the indexes and the applier's memory: no API call."""
-    live = {kind: first(indexes.get(idx), key) for kind, idx in INDEX_BY_KIND.items()}
+) -> tuple[dict[str, Any], set[str], list[tuple[str, str]]]:
+    """(live children by kind, kinds to write, (kind, name) to delete — e.g. a PDB after
+    scaling to one, or the sites' Deployments after spec.rollout was removed), from the
+    indexes and the applier's memory: no API call."""
+    # With spec.rollout the ConfigMaps and Deployments are the sites' (`rollout.sync`).
+    kinds = ROLLOUT_KINDS if plan.spec.rollout is not None else INDEX_BY_KIND
+    live: dict[str, Any] = {}
+    unwanted: list[tuple[str, str]] = []
+    for kind, idx in kinds.items():
+        index = indexes.get(idx)
+        objs = list(index[key]) if index is not None and key in index else []
+        child = plan.children.get(kind)
+        live[kind] = next((o for o in objs if child and _name(o) == child.name), None)
+        unwanted += [(kind, _name(o)) for o in objs if child is None or _name(o) != child.name]
     stale = {
         kind
         for kind, child in plan.children.items()
         if not ctx.applier.in_sync((kind, key[0], child.name), child.digest, live.get(kind))
     }
-    unwanted = [kind for kind, obj in live.items() if obj is not None and kind not in plan.children]
     return live, stale, unwanted
+
+
+def _name(obj: Mapping[str, Any]) -> str:
+    return str(obj["metadata"]["name"])
 
 
 def apply_children(
@@ -147,8 +163,8 @@ def apply_children(
         for manifest in manifests_of(ctx, body, plan):
             if manifest["kind"] in stale:
                 written[manifest["kind"]] = ctx.applier.apply(manifest)
-    for kind in unwanted:
-        ctx.applier.delete(kind, key[0], live[kind]["metadata"]["name"])
+    for kind, name in unwanted:
+        ctx.applier.delete(kind, key[0], name)
     return written.get("Deployment") or live.get("Deployment")
 
 
@@ -165,6 +181,8 @@ def settled(ctx: Context, body: Mapping[str, Any], indexes: Mapping[str, Any]) -
         ready = plan is not None and key[0] in ctx.identities
     if plan is None or not ready or key in ctx.requeue:
         return False
+    if plan.spec.rollout is not None:
+        return False  # each event may move the rollout: `rollout.sync` decides
     if plan.problems:
         return True
     _, stale, unwanted = _differences(ctx, key, plan, indexes)
@@ -187,8 +205,8 @@ def _wanted(
     if owner is None or owner["metadata"].get("deletionTimestamp"):
         return None
     plan = planned(ctx, owner)
-    if plan.problems:
-        return None
+    if plan.problems or (plan.spec.rollout is not None and kind not in ROLLOUT_KINDS):
+        return None  # a site's ConfigMap or Deployment: the owner's rollout step repairs it
     return owner, plan, plan.children.get(kind)
 
 
@@ -208,8 +226,8 @@ def child_unchanged(
     if wanted is None:
         return True
     child = wanted[2]
-    if child is None:
-        return False  # unwanted: to be deleted
+    if child is None or _name(live) != child.name:
+        return False  # unwanted (e.g. a site's Deployment after spec.rollout went): deleted
     return ctx.applier.verified((kind, key[0], child.name), child.digest, live)
 
 
@@ -227,10 +245,10 @@ def correct_child(
         return None
     owner, plan, child = wanted
     with ctx.owner_lock(key):
-        if child is None:
+        if child is None or (live is not None and _name(live) != child.name):
             if live is None:
                 return None
-            ctx.applier.delete(kind, key[0], live["metadata"]["name"])  # e.g. a PDB at 1 replica
+            ctx.applier.delete(kind, key[0], _name(live))  # e.g. a PDB at 1 replica
             return "deleted"
         return _correct(ctx, (kind, key[0], child.name), live, owner, plan)
 

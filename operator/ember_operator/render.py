@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,8 @@ EXTENDED_RESOURCE = {
 API_KEY_DIR = "/etc/ember/api-key"
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 SITE_LABEL = "ember.dev/site"
+SITE_SLICE_LABEL = "ember.dev/site-slice"  # which site's Deployment a pod belongs to (rollouts)
+REVISION_LABEL = "ember.dev/revision"  # the spec revision a rolled-out pod runs
 # The most a preference may weigh (the API's limit); split over a model's files, so a node
 # holding all of them scores highest and one holding some still beats one holding none.
 MAX_PREFERENCE_WEIGHT = 100
@@ -59,6 +62,16 @@ class Owner:
     name: str
     namespace: str
     uid: str
+
+
+@dataclass(frozen=True)
+class SiteSlice:
+    """One site's share of a rolled-out InferenceDeployment (spec.rollout): its own Deployment
+    pinned to the site, running one revision, with that revision's ConfigMap."""
+
+    site: str
+    replicas: int
+    revision: str
 
 
 @dataclass(frozen=True)
@@ -100,8 +113,23 @@ def selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector_for(name).items())
 
 
-def config_name(name: str) -> str:
-    return f"{name}-config"
+def config_name(name: str, revision: str | None = None) -> str:
+    return f"{name}-config" if revision is None else f"{name}-config-{revision}"
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def site_slug(site: str) -> str:
+    """A site's part of an object name: the site itself where it is a DNS label (most are),
+    else `s-` and a digest (a label value may hold `_`, `.` and capitals; a name may not)."""
+    if _DNS_LABEL.fullmatch(site) and len(site) <= 40:
+        return site
+    return "s-" + hashlib.sha256(site.encode()).hexdigest()[:12]
+
+
+def site_deployment_name(name: str, site: str) -> str:
+    return f"{name}-{site_slug(site)}"
 
 
 def problems(spec: InferenceDeploymentSpec, sizing: Sizing) -> list[Problem]:
@@ -316,7 +344,7 @@ def digest_views(
 
 
 def _volumes_and_mounts(
-    spec: InferenceDeploymentSpec, settings: OperatorSettings, name: str, sizing: Sizing
+    spec: InferenceDeploymentSpec, settings: OperatorSettings, config: str, sizing: Sizing
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     config_mount: dict[str, Any] = {
         "name": "config",
@@ -325,7 +353,7 @@ def _volumes_and_mounts(
     }
     tmp_mount: dict[str, Any] = {"name": "tmp", "mountPath": "/tmp"}  # noqa: S108 - an emptyDir
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": config_name(name)}},
+        {"name": "config", "configMap": {"name": config}},
     ]
     runtime: list[dict[str, Any]] = [config_mount]
     prewarm: list[dict[str, Any]] = [config_mount]
@@ -413,14 +441,15 @@ def _env_vars(settings: OperatorSettings) -> list[dict[str, Any]]:
     return env
 
 
-def affinity(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+def affinity(spec: InferenceDeploymentSpec, site: str | None = None) -> dict[str, Any]:
     """The pod's affinity: required `placement.sites`; for an http source, a preferred term per
     file for nodes whose agent holds it (label `cache.ember.dev/<digest16>`, set by the agent),
     so a rescheduled or added replica lands where the model is and starts without a download.
     Preferred, never required: a node without it fetches the model, which is the normal path."""
     node_affinity: dict[str, Any] = {}
-    if spec.placement.sites:
-        expression = {"key": SITE_LABEL, "operator": "In", "values": list(spec.placement.sites)}
+    sites = [site] if site is not None else list(spec.placement.sites)
+    if sites:
+        expression = {"key": SITE_LABEL, "operator": "In", "values": sites}
         node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {
             "nodeSelectorTerms": [{"matchExpressions": [expression]}]
         }
@@ -459,19 +488,34 @@ def render(
     config: RuntimeConfig,
     settings: OperatorSettings,
     sizing: Sizing,
+    *,
+    slice_: SiteSlice | None = None,
 ) -> list[dict[str, Any]]:
     """Every child manifest for one InferenceDeployment, in apply order. `config` is
-    `runtime_config(spec, settings)`, built once by the caller (sizing reads it too)."""
+    `runtime_config(spec, settings)`, built once by the caller (sizing reads it too).
+
+    With `slice_` (spec.rollout): one site's ConfigMap and Deployment only, for the revision
+    the site runs; the Service and the PDB, shared by every site, come from the plain call."""
     name = owner.name
     data = config_data(config, sizing)
-    volumes, runtime_mounts, prewarm_mounts = _volumes_and_mounts(spec, settings, name, sizing)
+    revision = slice_.revision if slice_ else None
+    configmap = config_name(name, revision)
+    volumes, runtime_mounts, prewarm_mounts = _volumes_and_mounts(spec, settings, configmap, sizing)
     prewarm_memory = quantity.ceil_mib(sizing.shared_memory_bytes + PREWARM_OVERHEAD_BYTES)
+    selector, pod_labels = selector_for(name), labels_for(name)
+    node_affinity = affinity(spec, slice_.site if slice_ else None)
+    if slice_ is not None:
+        selector = {**selector, SITE_SLICE_LABEL: site_slug(slice_.site)}
+        pod_labels = {**pod_labels, **selector, REVISION_LABEL: slice_.revision}
     context = {
         "name": name,
+        "deployment_name": site_deployment_name(name, slice_.site) if slice_ else name,
+        "replicas": slice_.replicas if slice_ else spec.replicas,
         "namespace": owner.namespace,
-        "config_name": config_name(name),
+        "config_name": configmap,
         "labels": labels_for(name),
-        "selector": selector_for(name),
+        "pod_labels": pod_labels,
+        "selector": selector,
         "owner_references": [
             {
                 "apiVersion": API_VERSION,
@@ -489,7 +533,7 @@ def render(
         "config_data": data,
         "pod_annotations": pod_annotations(spec, restart_hash(config, data)),
         "node_selector": dict(spec.placement.node_selector),
-        "affinity": affinity(spec),
+        "affinity": node_affinity,
         "tolerations": [
             t.model_dump(by_alias=True, exclude_none=True) for t in spec.placement.tolerations
         ],
@@ -506,10 +550,15 @@ def render(
             "capabilities": {"drop": ["ALL"]},
         },
     }
+    if slice_ is not None:
+        return [config_map(context), _render_one("deployment", context)]
     kinds = ["deployment", "service"]
+    if spec.rollout is not None:
+        kinds = ["service"]  # one Deployment per site (`slice_`) instead
     if spec.replicas > 1:
         kinds.append("poddisruptionbudget")
-    return [config_map(context), *(_render_one(kind, context) for kind in kinds)]
+    first = [] if spec.rollout is not None else [config_map(context)]
+    return [*first, *(_render_one(kind, context) for kind in kinds)]
 
 
 def config_map(context: dict[str, Any]) -> dict[str, Any]:

@@ -76,6 +76,15 @@ class Requeue(DueTable[int]):
         self.put(key, time.monotonic() + delay, attempt + 1)
         return delay
 
+    def soon(self, key: Key, delay: float) -> None:
+        """Reconcile again in `delay` seconds (a rollout's bake or timeout ends then), unless
+        something is due sooner."""
+        at = time.monotonic() + delay
+        with self._lock:
+            if key in self._due and self._due[key][0] <= at:
+                return
+            self._due[key] = (at, 0)
+
     async def run(self, work: Callable[[Key, int], None]) -> None:
         """Call `work(key, attempt)` in a thread for each entry that falls due."""
         while True:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import MODEL_DOWNLOAD_CONDITION
+from ember_runtime.contract.rollout import parse_health_condition
 from ember_runtime.contract.thermal import (
     REASON_POLICY_OFF,
     REASON_SENSOR_UNAVAILABLE,
@@ -20,10 +21,16 @@ from ember_runtime.contract.thermal import (
     parse_thermal_condition,
 )
 
-from ember_operator.api.models import Condition, InferenceDeploymentStatus, ReplicaStatus
-from ember_operator.render import Problem
+from ember_operator.api.models import (
+    Condition,
+    InferenceDeploymentStatus,
+    ReplicaStatus,
+    RolloutStatus,
+)
+from ember_operator.render import REVISION_LABEL, SITE_SLICE_LABEL, Problem
 
 READY, PROGRESSING, DEGRADED, THROTTLED = "Ready", "Progressing", "Degraded", "Throttled"
+RECONCILING, STALLED = "Reconciling", "Stalled"  # kstatus's (`kstatus_conditions`)
 THERMAL_FIELDS = ("temperatureCelsius", "maxBatchSize")
 # Container waiting reasons that are part of every start. Any other one (CrashLoopBackOff,
 # ImagePullBackOff, CreateContainerConfigError, …) is the kubelet saying the pod is stuck.
@@ -161,6 +168,7 @@ def pod_started(status: Mapping[str, Any]) -> bool:
 def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     """The little of a pod the status needs (what the pod index keeps in memory)."""
     meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
+    labels = meta.get("labels") or {}
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in status.get("conditions") or []
@@ -179,6 +187,11 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         # The runtime's own report (ember.dev/Thermal), decoded here and nowhere else on the
         # operator's side; None before its first write, or when it is not a report at all.
         "thermal": parse_thermal_condition(status.get("conditions")),
+        # Rollouts (spec.rollout): the site's Deployment and the revision the pod runs (from
+        # the template the operator rendered), and the runtime's ember.dev/Health report.
+        "site": labels.get(SITE_SLICE_LABEL),
+        "revision": labels.get(REVISION_LABEL),
+        "health": parse_health_condition(status.get("conditions")),
     }
 
 
@@ -293,6 +306,7 @@ class Observed:
     selector: str
     # None: keep what status says (e.g. while the spec cannot be parsed).
     thermal: Thermal | None = None
+    rollout: Mapping[str, Any] | None = None  # status.rollout (spec.rollout), as stepped
 
 
 def _condition(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -341,7 +355,48 @@ def conditions_for(obs: Observed) -> list[dict[str, Any]]:
         )
     else:
         prog = _condition(PROGRESSING, True, reasons.ROLLING_OUT, f"{replicas} pods, {ready} ready")
-    return [ready_c, prog, _degraded(failures)]
+    degraded = _degraded(failures)
+    if obs.rollout is not None:
+        prog, degraded = _site_rollout(obs.rollout, prog, degraded)
+    return [ready_c, prog, degraded]
+
+
+def _site_rollout(
+    rollout: Mapping[str, Any], prog: dict[str, Any], degraded: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Progressing and Degraded as a site-by-site rollout makes them (status.rollout)."""
+    phase, summary = rollout.get("phase"), str(rollout.get("summary") or "")
+    message = str(rollout.get("message") or summary)
+    if phase == "Progressing":
+        prog = _condition(PROGRESSING, True, reasons.ROLLING_OUT, f"site by site: {summary}")
+    elif phase == "Paused":
+        prog = _condition(PROGRESSING, True, reasons.ROLLOUT_PAUSED, f"paused: {summary}")
+    elif phase == "Halted":
+        prog = _condition(PROGRESSING, False, reasons.ROLLOUT_HALTED, message)
+        degraded = _condition(DEGRADED, True, reasons.ROLLOUT_HALTED, message)
+    elif phase == "RolledBack":
+        prog = _condition(PROGRESSING, False, reasons.ROLLED_BACK, message)
+        degraded = _condition(DEGRADED, True, reasons.ROLLED_BACK, message)
+    return prog, degraded
+
+
+def kstatus_conditions(conditions: list[dict[str, Any]], problems: bool) -> list[dict[str, Any]]:
+    """kstatus's abnormal-true pair, which Flux, cli-utils and kpt read: Reconciling while a
+    change is on its way, Stalled while it cannot go on without a person (a spec that cannot
+    be served, a rollout halted or rolled back)."""
+    by_type = {c["type"]: c for c in conditions}
+    prog, degraded = by_type[PROGRESSING], by_type[DEGRADED]
+    moving = prog["status"] == "True"
+    stuck = problems or (
+        degraded["status"] == "True"
+        and degraded["reason"] in (reasons.ROLLOUT_HALTED, reasons.ROLLED_BACK)
+    )
+    if stuck:
+        stalled = _condition(STALLED, True, degraded["reason"], degraded["message"])
+    else:
+        stalled = _condition(STALLED, False, reasons.AS_EXPECTED, "")
+    reconciling = _condition(RECONCILING, moving, prog["reason"], prog["message"] if moving else "")
+    return [reconciling, stalled]
 
 
 def _degraded(failures: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -426,6 +481,7 @@ def build_status(obs: Observed, old: Mapping[str, Any], now: str) -> InferenceDe
     replicas, ready, _ = _rollout(obs)
     old_conditions = old.get("conditions") or []
     computed = conditions_for(obs)
+    computed += kstatus_conditions(computed, bool(obs.problems))
     throttled = obs.thermal.throttled if obs.thermal else _find(old_conditions, THROTTLED)
     if throttled:
         computed.append({k: throttled.get(k, "") for k in ("type", "status", "reason", "message")})
@@ -445,6 +501,7 @@ def build_status(obs: Observed, old: Mapping[str, Any], now: str) -> InferenceDe
         hottest_celsius=old.get("hottestCelsius") if hottest is None else hottest,
         # The tightest limit in force: what `kubectl get infd` shows as Batch.
         max_batch_size=min(batches, default=None),
+        rollout=None if obs.rollout is None else RolloutStatus.model_validate(obs.rollout),
     )
 
 
@@ -463,5 +520,24 @@ def _find(conditions: Iterable[Mapping[str, Any]], ctype: str) -> Mapping[str, A
 
 
 def changed_fields(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
-    """Only the top-level status fields that differ: the patch is empty in steady state."""
-    return {k: v for k, v in new.items() if old.get(k) != v}
+    """Only the top-level status fields that differ: the patch is empty in steady state. As a
+    merge patch: a key that went away is sent as null (status.rollout's nested keys too), so
+    the API server drops it rather than keeping the old value."""
+    return {
+        k: _merge_value(v, old.get(k))
+        for k, v in _with_removed(new, old).items()
+        if old.get(k) != v
+    }
+
+
+def _with_removed(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
+    gone = {k: None for k in old if k not in new and k == "rollout"}
+    return {**gone, **new}
+
+
+def _merge_value(new: Any, old: Any) -> Any:
+    if isinstance(new, Mapping) and isinstance(old, Mapping):
+        out = {k: _merge_value(v, old.get(k)) for k, v in new.items()}
+        out.update({k: None for k in old if k not in new})
+        return out
+    return new

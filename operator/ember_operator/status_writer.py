@@ -89,6 +89,8 @@ class Observation:
     # Whether the spec asks for a thermal policy; None (the spec cannot be read): the thermal
     # status stays what it is. The replicas' reports themselves ride in `pods`.
     adaptive: bool | None = None
+    # status.rollout as the rollout step left it (spec.rollout); None: no rollout.
+    rollout: dict[str, Any] | None = None
 
 
 def _now() -> str:
@@ -127,6 +129,7 @@ class StatusWriter:
                     problems=obs.problems,
                     selector=render.selector_string(meta["name"]),
                     thermal=None if obs.adaptive is None else status.thermal_of(pods, obs.adaptive),
+                    rollout=obs.rollout,
                 ),
                 old,
                 _now(),
@@ -141,6 +144,15 @@ class StatusWriter:
         if announce:
             _announce_degraded(self._api, body, conds[status.DEGRADED], old.get("conditions") or [])
         return bool(changed)
+
+    def last_status(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The status last written for this object, else the one it carries (the watch may
+        not have brought our last write back yet)."""
+        meta = body["metadata"]
+        cached = self._written.get((meta["namespace"], meta["name"]))
+        if cached is not None and cached[0] == meta["uid"]:
+            return cached[1]
+        return dict(body.get("status") or {})
 
     def is_echo(self, body: Mapping[str, Any]) -> bool:
         """Whether this object's status is exactly the one last written for it: the watch

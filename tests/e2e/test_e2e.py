@@ -12,10 +12,12 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
+from tests.cluster.fleet import SIM_TOLERATION, ensure_fleet
 from tests.conftest import Kube, NodeHandle
 from tests.e2e.flow import (
     COOL_CELSIUS,
@@ -27,6 +29,7 @@ from tests.e2e.flow import (
     Gateway,
 )
 from tests.e2e.local import local_flow
+from tests.support.waiting import wait_for
 
 # The first test's setup builds Ember's images: the runtime's first build compiles llama.cpp.
 pytestmark = [pytest.mark.node, pytest.mark.timeout(3600)]
@@ -203,6 +206,84 @@ def test_an_embedding_deployment_serves_embeddings_only(flow: Flow, served: str)
         assert [len(v) for v in vectors] == [640, 640]  # Gemma 3 270M's width
         assert vectors[0] != vectors[1]
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    finally:
+        flow.run_kubectl("delete", "infd", name, "-n", served, "--ignore-not-found", "--wait")
+
+
+def test_a_two_wave_rollout_through_the_chart(flow: Flow, served: str, kube: Kube) -> None:
+    """spec.rollout through the Helm-installed operator: the real node's site is the canary
+    (a real prewarm and runtime, which writes its own ember.dev/Health condition through the
+    chart's admission policy), a kwok site the second wave. An edit reaches the canary first and
+    the second site only after the canary baked."""
+    ensure_fleet(kube.api, 1, sites=1)  # kwok-0, site site-0
+    name = f"{NAME}-fleet"
+    manifest = flow.model_manifest(name, served, replicas=2)
+    manifest["spec"]["placement"] = {"sites": [SITE, "site-0"], "tolerations": [SIM_TOLERATION]}
+    manifest["spec"]["resources"] = {"requests": {"cpu": "250m"}}
+    manifest["spec"]["rollout"] = {
+        "waves": [
+            {"name": "canary", "sites": [SITE], "bakeSeconds": 10},
+            {"name": "fleet", "sites": ["site-0"], "bakeSeconds": 0},
+        ],
+        "gate": {"readyTimeoutSeconds": 300},
+    }
+
+    def revisions() -> dict[str, str]:
+        out = {}
+        for site in (SITE, "site-0"):
+            dep = json.loads(
+                flow.run_kubectl("get", "deploy", f"{name}-{site}", "-n", served, "-o", "json")
+            )
+            out[site] = dep["spec"]["template"]["metadata"]["labels"]["ember.dev/revision"]
+        return out
+
+    def complete(obj: dict[str, Any]) -> bool:
+        return bool((obj.get("status") or {}).get("rollout", {}).get("phase") == "Complete")
+
+    try:
+        with flow.dumping(served):
+            flow.apply(manifest)
+            first = flow.wait_ready(name, served, until=complete, what="rolled out")
+            v1 = first["status"]["rollout"]["stableRevision"]
+            assert revisions() == {SITE: v1, "site-0": v1}
+            edit = {"spec": {"engine": {"maxBatchSize": 4}}}
+            flow.run_kubectl(
+                "patch", "infd", name, "-n", served, "--type=merge", "-p", json.dumps(edit)
+            )
+            seen = wait_for("the canary changes first", lambda: revisions()[SITE] != v1, 120)
+            assert seen and revisions()["site-0"] == v1
+            done = flow.wait_ready(
+                name,
+                served,
+                until=lambda o: complete(o) and o["status"]["rollout"]["stableRevision"] != v1,
+                what="rolled out again",
+            )
+        v2 = done["status"]["rollout"]["stableRevision"]
+        assert revisions() == {SITE: v2, "site-0": v2}
+        pods = json.loads(
+            flow.run_kubectl(
+                "get",
+                "pods",
+                "-n",
+                served,
+                "-l",
+                f"ember.dev/instance={name},ember.dev/site-slice={SITE}",
+                "-o",
+                "json",
+            )
+        )["items"]
+        health = [
+            c
+            for p in pods
+            for c in p["status"].get("conditions", [])
+            if c["type"] == "ember.dev/Health"
+        ]
+        assert health, "the real runtime wrote no ember.dev/Health condition"
+        events = flow.run_kubectl(
+            "get", "events", "-n", served, "--field-selector", f"involvedObject.name={name}"
+        )
+        for reason in ("RolloutStarted", "WavePassed", "RolloutComplete"):
+            assert reason in events, events
     finally:
         flow.run_kubectl("delete", "infd", name, "-n", served, "--ignore-not-found", "--wait")
 

@@ -93,4 +93,14 @@ def test_defaults_enums_bounds_and_subresources() -> None:
     names = crd["spec"]["names"]
     assert names["shortNames"] == ["infd"] and names["categories"] == ["ember"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Model", "Engine", "Accelerator", "Status", "Temp", "Batch", "Age"]
+    assert columns == [
+        "Ready",
+        "Model",
+        "Engine",
+        "Accelerator",
+        "Status",
+        "Temp",
+        "Batch",
+        "Rollout",
+        "Age",
+    ]

@@ -259,7 +259,10 @@ def test_scale_subresource_and_printer_columns(
     assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
     assert scale["status"]["selector"] == "app.kubernetes.io/name=ember,ember.dev/instance=eps"
     header, row = kube.kubectl("-n", namespace, "get", "infd").splitlines()[:2]
-    columns = ["NAME", "READY", "MODEL", "ENGINE", "ACCELERATOR", "STATUS", "TEMP", "BATCH", "AGE"]
+    columns = [
+        *("NAME", "READY", "MODEL", "ENGINE", "ACCELERATOR", "STATUS", "TEMP", "BATCH"),
+        *("ROLLOUT", "AGE"),
+    ]
     assert header.split() == columns
     assert row.split()[:6] == ["eps", "3/3", "gemma-3-270m", "llamacpp", "cpu", "AllReplicasReady"]
     assert "eps" in kube.kubectl("-n", namespace, "get", "ember")  # the category

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import pytest
 from ember_operator import status
 from ember_operator.render import Problem
 from ember_operator.status_writer import PodEvents, worth_an_event
@@ -48,6 +50,8 @@ def test_all_ready() -> None:
         "Ready": ("True", "AllReplicasReady"),
         "Progressing": ("False", "RolloutComplete"),
         "Degraded": ("False", "AsExpected"),
+        "Reconciling": ("False", "RolloutComplete"),
+        "Stalled": ("False", "AsExpected"),
     }
     assert (st["ready"], st["readyReplicas"], st["observedGeneration"]) == ("3/3", 3, 5)
     assert all(c["observedGeneration"] == 5 for c in st["conditions"])
@@ -57,6 +61,8 @@ def test_rolling_out() -> None:
     st = status.compute_status(_obs(deployment=_dep(3, 1, updated=2)), {}, NOW)
     assert _conds(st)["Ready"] == ("False", "ReplicasNotReady")
     assert _conds(st)["Progressing"] == ("True", "RollingOut")
+    assert _conds(st)["Reconciling"] == ("True", "RollingOut")  # kstatus: InProgress
+    assert _conds(st)["Stalled"] == ("False", "AsExpected")
     assert st["reason"] == "RollingOut" and st["ready"] == "1/3"
 
 
@@ -222,6 +228,38 @@ def test_problem_blocks_ready() -> None:
     )
     assert _conds(st)["Degraded"] == ("True", "SharedMemoryTooSmall")
     assert _conds(st)["Ready"][0] == "False"
+    assert _conds(st)["Stalled"] == ("True", "SharedMemoryTooSmall")  # kstatus: Failed
+
+
+@pytest.mark.parametrize(
+    ("phase", "progressing", "degraded", "reconciling", "stalled"),
+    [
+        ("Progressing", ("True", "RollingOut"), "False", "True", "False"),
+        ("Paused", ("True", "RolloutPaused"), "False", "True", "False"),
+        ("Halted", ("False", "RolloutHalted"), "True", "False", "True"),
+        ("RolledBack", ("False", "RolledBack"), "True", "False", "True"),
+        ("Complete", ("False", "RolloutComplete"), "False", "False", "False"),
+    ],
+)
+def test_a_site_rollout_sets_the_conditions(
+    phase: str, progressing: tuple[str, str], degraded: str, reconciling: str, stalled: str
+) -> None:
+    rollout = {"phase": phase, "summary": "canary 0/1 " + phase, "message": "site a failed"}
+    st = status.compute_status(dataclasses.replace(_obs(), rollout=rollout), {}, NOW)
+    conds = _conds(st)
+    assert conds["Progressing"] == progressing
+    assert conds["Degraded"][0] == degraded
+    assert (conds["Reconciling"][0], conds["Stalled"][0]) == (reconciling, stalled)
+    assert st["rollout"]["phase"] == phase
+
+
+def test_a_rollout_key_that_goes_away_is_sent_as_null() -> None:
+    old = {"rollout": {"phase": "Progressing", "currentWave": "canary", "waves": [1]}}
+    new = {"rollout": {"phase": "Complete", "waves": [2]}}
+    assert status.changed_fields(new, old) == {
+        "rollout": {"phase": "Complete", "waves": [2], "currentWave": None}
+    }
+    assert status.changed_fields({}, old) == {"rollout": None}
 
 
 def test_transition_time_only_moves_on_status_change() -> None:

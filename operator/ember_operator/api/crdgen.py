@@ -150,6 +150,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "jsonPath": ".status.maxBatchSize",
         "description": "Batch limit in force (the smallest the replicas report).",
     },
+    {
+        "name": "Rollout",
+        "type": "string",
+        "jsonPath": ".status.rollout.summary",
+        "description": "The site-by-site rollout (spec.rollout): wave, sites passed, phase.",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

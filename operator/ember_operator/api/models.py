@@ -522,6 +522,151 @@ class ResourceRequirements(Wire):
     limits: dict[str, Quantity] = _resource_map("limits")
 
 
+# ----------------------------------------------------------------------------- rollout
+
+
+class LabelSelectorRequirement(Wire):
+    key: str = Field(min_length=1, max_length=317, description="Node label key.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="Match rule.")
+    values: list[Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=list, max_length=64, description="Values for In and NotIn."
+    )
+
+
+class NodeLabelSelector(Wire):
+    match_labels: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=32, description="Labels a node must carry."
+    )
+    match_expressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, max_length=16, description="Expressions a node must satisfy."
+    )
+
+
+_ONE_ORDER = cel(
+    "[has(self.sites), has(self.selector), has(self.count), has(self.percent)]"
+    ".filter(x, x).size() == 1",
+    "each rollout wave must set exactly one of sites, selector, count or percent",
+)
+
+
+class RolloutWave(Wire):
+    """One wave of sites. Sites already in an earlier wave are never taken again; `count` and
+    `percent` take the next sites in name order."""
+
+    model_config = ConfigDict(json_schema_extra=rules(_ONE_ORDER))
+
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        description="Wave name, shown in status and events (e.g. canary).",
+        json_schema_extra=rules(
+            cel(
+                "self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')",
+                "rollout.waves[].name must be a lowercase DNS label",
+            )
+        ),
+    )
+    sites: list[Annotated[str, Field(min_length=1, max_length=63)]] | None = Field(
+        default=None,
+        max_length=1000,
+        description="Explicit sites (node label ember.dev/site).",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    selector: NodeLabelSelector | None = Field(
+        default=None, description="The sites of the nodes this selector matches."
+    )
+    count: int | None = Field(default=None, ge=1, le=10000, description="The next N sites.")
+    percent: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="This share of all sites (rounded up, at least one), taken from the next.",
+    )
+    bake_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=604_800,
+        description="How long every site of the wave must stay healthy on the new version "
+        "before the next wave starts.",
+    )
+
+
+class HealthGate(Wire):
+    ready_timeout_seconds: int = Field(
+        default=600,
+        ge=10,
+        le=86_400,
+        description="A site whose new replicas are not all Ready by then fails its gate "
+        "(a model that does not load, an OOM kill).",
+    )
+    max_error_rate_increase_percent: int = Field(
+        default=2,
+        ge=0,
+        le=100,
+        description="A site fails when its new replicas' server-error rate exceeds the "
+        "previous version's on the same site by more than this many percentage points.",
+    )
+    max_ttft_ratio_percent: int = Field(
+        default=150,
+        ge=100,
+        le=10_000,
+        description="A site fails when its new replicas' TTFT p99 exceeds this percentage of "
+        "the previous version's on the same site. Requests served while heat throttled the "
+        "replica are not counted against the new version.",
+    )
+    min_requests: int = Field(
+        default=10,
+        ge=1,
+        le=1_000_000,
+        description="Requests a site's replicas must have finished on each version before "
+        "their TTFT and error rates are compared; with fewer, only readiness is judged.",
+    )
+
+
+class UnreachablePolicy(StrEnum):
+    SKIP = "Skip"
+    HALT = "Halt"
+
+
+class RolloutSpec(Wire):
+    """Site by site: each wave's sites stage the new model, change, bake and pass their health
+    gate before the next wave starts; a failed gate rolls the changed sites back from their node
+    caches."""
+
+    waves: list[RolloutWave] = Field(
+        min_length=1,
+        max_length=32,
+        description="Waves in order. Sites left over after the last wave form a final wave "
+        "named `rest` with the last wave's bake time.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    gate: HealthGate = Field(
+        default_factory=HealthGate,
+        description="The health gate every site of a wave must pass.",
+        json_schema_extra=OBJECT_DEFAULT,
+    )
+    unreachable_after_seconds: int = Field(
+        default=600,
+        ge=10,
+        le=604_800,
+        description="A site none of whose nodes is Ready counts as neither healthy nor failed "
+        "for this long, then as unreachable.",
+    )
+    on_unreachable: UnreachablePolicy = Field(
+        default=UnreachablePolicy.HALT,
+        description="Halt: an unreachable site halts the rollout (nothing rolls back). Skip: "
+        "it is left on its version and the rollout goes on without it.",
+    )
+    paused: bool = Field(
+        default=False, description="Hold the rollout where it is (sites keep their versions)."
+    )
+    rollback: bool = Field(
+        default=False,
+        description="Put every changed site back on the previous version, from its node cache, "
+        "and hold there until the spec changes again.",
+    )
+
+
 # ----------------------------------------------------------------------------- spec
 
 
@@ -595,6 +740,12 @@ class InferenceDeploymentSpec(Wire):
     image: str | None = Field(
         default=None, max_length=1024, description="Runtime image; default from the operator."
     )
+    rollout: RolloutSpec | None = Field(
+        default=None,
+        description="Roll spec changes out site by site, with health gates and rollback. "
+        "With a rollout each site runs its own Deployment and spec.replicas is split "
+        "evenly over the sites.",
+    )
 
 
 # ----------------------------------------------------------------------------- status
@@ -633,6 +784,68 @@ class ReplicaStatus(Wire):
     )
 
 
+class SiteHealth(Wire):
+    requests: int = Field(default=0, description="Requests finished in the replicas' windows.")
+    errors: int = Field(default=0, description="Of those, server errors.")
+    ttft_p99_ms: int | None = Field(default=None, description="Worst replica's TTFT p99 (ms).")
+
+
+class SiteRollout(Wire):
+    name: str = Field(description="The site.")
+    wave: str = Field(description="The wave it belongs to.")
+    revision: str | None = Field(default=None, description="The revision its pods run.")
+    phase: str = Field(
+        description="Pending, Staging, Updating, Baking, Passed, Failed, Unreachable, Skipped "
+        "or RolledBack."
+    )
+    reason: str | None = Field(default=None, description="Why, in one CamelCase word.")
+    message: str | None = Field(default=None, description="Human-readable detail.")
+    since: str | None = Field(default=None, description="When the phase began (RFC 3339).")
+    unreachable_since: str | None = Field(
+        default=None, description="Since when none of the site's nodes is Ready (RFC 3339)."
+    )
+    baseline: SiteHealth | None = Field(
+        default=None, description="The previous version's figures on this site."
+    )
+    observed: SiteHealth | None = Field(
+        default=None, description="The new version's figures on this site."
+    )
+
+
+class WaveRollout(Wire):
+    name: str = Field(description="Wave name.")
+    phase: str = Field(description="Pending, Progressing, Passed, Failed or RolledBack.")
+    sites: int = Field(default=0, description="Sites in the wave.")
+    passed: int = Field(default=0, description="Sites that passed the gate.")
+    started_at: str | None = Field(default=None, description="When it started (RFC 3339).")
+    finished_at: str | None = Field(default=None, description="When it ended (RFC 3339).")
+
+
+class RolloutStatus(Wire):
+    phase: str = Field(
+        description="Complete, Progressing, Paused, Halted (a gate failed or a site is "
+        "unreachable) or RolledBack."
+    )
+    summary: str | None = Field(default=None, description="One line, for kubectl get.")
+    message: str | None = Field(default=None, description="Human-readable detail.")
+    stable_revision: str | None = Field(default=None, description="The previous version.")
+    update_revision: str | None = Field(default=None, description="The version rolling out.")
+    stable_spec: (
+        Annotated[
+            dict[str, Any],
+            WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="The previous version's spec: what a rollback goes back to (the node "
+        "agents keep its model's files while the rollout runs).",
+    )
+    current_wave: str | None = Field(default=None, description="The wave in progress.")
+    waves: list[WaveRollout] = Field(default_factory=list, description="Per wave.")
+    sites: list[SiteRollout] = Field(default_factory=list, description="Per site.")
+
+
 class InferenceDeploymentStatus(Wire):
     observed_generation: int | None = Field(default=None, description="Last generation handled.")
     replicas: int = Field(default=0, description="Pods that exist.")
@@ -654,6 +867,9 @@ class InferenceDeploymentStatus(Wire):
     )
     replica_statuses: list[ReplicaStatus] = Field(
         default_factory=list, description="Per-pod state."
+    )
+    rollout: RolloutStatus | None = Field(
+        default=None, description="The site-by-site rollout (spec.rollout)."
     )
 
 

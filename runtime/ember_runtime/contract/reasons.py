@@ -249,6 +249,26 @@ ROLLING_OUT = _define("RollingOut", OPERATOR, "A rollout is in progress.", condi
 ROLLOUT_COMPLETE = _define(
     "RolloutComplete", OPERATOR, "All replicas run the current spec.", condition="Progressing"
 )
+# Site-by-site rollouts (spec.rollout; docs/fleet.md).
+ROLLOUT_PAUSED = _define(
+    "RolloutPaused",
+    OPERATOR,
+    "spec.rollout.paused holds the rollout; sites keep their versions. Set it to false to go on.",
+    condition="Progressing",
+)
+ROLLOUT_HALTED = _define(
+    "RolloutHalted",
+    OPERATOR,
+    "A site of the current wave is unreachable (no node Ready past unreachableAfterSeconds) and "
+    "onUnreachable is Halt. Bring the site back, or set onUnreachable: Skip to go on without it.",
+)
+ROLLED_BACK = _define(
+    "RolledBack",
+    OPERATOR,
+    "A site failed its health gate (message: which, and why) or spec.rollout.rollback is set; "
+    "every changed site runs the previous version again, from its node cache. Fix the spec "
+    "(a new revision starts a new rollout) or revert it.",
+)
 THERMAL_THROTTLING = _define(
     "ThermalThrottling",
     OPERATOR,
