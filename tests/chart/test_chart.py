@@ -128,8 +128,9 @@ def _rule(group: str, resources: list[str], verbs: list[str]) -> dict[str, Any]:
 OPERATOR_RULES = [
     _rule("ember.dev", ["inferencedeployments"], ["list", "watch", "patch"]),
     _rule("ember.dev", ["inferencedeployments/status"], ["patch"]),
-    _rule("apps", ["deployments"], ["list", "watch", "create", "patch"]),
-    _rule("", ["services", "configmaps"], ["list", "watch", "create", "patch"]),
+    _rule("apps", ["deployments"], ["list", "watch", "create", "patch", "delete"]),
+    _rule("", ["configmaps"], ["list", "watch", "create", "patch", "delete"]),
+    _rule("", ["services"], ["list", "watch", "create", "patch"]),
     _rule("policy", ["poddisruptionbudgets"], ["list", "watch", "create", "patch", "delete"]),
     _rule("", ["pods"], ["list", "watch"]),
     _rule("", ["serviceaccounts"], ["create", "patch"]),
@@ -139,7 +140,7 @@ OPERATOR_RULES = [
         "resourceNames": ["ember-runtime"],
     },
     _rule("", ["pods/eviction"], ["create"]),
-    _rule("", ["nodes"], ["get", "list", "patch"]),
+    _rule("", ["nodes"], ["get", "list", "watch", "patch"]),
     _rule("", ["events"], ["list", "watch"]),
     _rule("", ["events"], ["create"]),
     _rule("apiextensions.k8s.io", ["customresourcedefinitions"], ["list", "watch"]),
@@ -441,8 +442,11 @@ def test_site_sharing_renders_peer_port_and_limits(helm: str) -> None:
     assert "hostNetwork" not in agent["spec"]["template"]["spec"]
     assert [r["metadata"]["name"] for r in by_kind(off, "Role")] == ["ember-nodeagent-secrets"]
     rules = _roles(off)["nodeagent"]["rules"]
-    # Only its own Node's cache labels remain (get, patch): no site Nodes to list or watch.
-    assert [r["verbs"] for r in rules if "nodes" in r["resources"]] == [["get", "patch"]]
+    # Its own Node still: cache labels (get, patch) and the stage requests on it (a watch of
+    # that one Node, by field selector; RBAC cannot narrow list/watch to a name it does not know).
+    assert [r["verbs"] for r in rules if "nodes" in r["resources"]] == [
+        ["get", "list", "watch", "patch"]
+    ]
     policies = {p["metadata"]["name"] for p in by_kind(off, "ValidatingAdmissionPolicy")}
     assert policies == {
         "ember-runtime-own-pod",

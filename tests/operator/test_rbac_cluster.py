@@ -233,9 +233,40 @@ def _flow(kube: Kube, ns: str, site: str) -> None:
     wait_for("the hot taint released", lambda: not _hot(kube, node), timeout=60)
     reasons = {e["reason"] for e in rest.items(kube.api, "events", ns)}
     assert "ReplicaMovedOffHotNode" in reasons, reasons
+    _rollout_flow(kube, ns, name, site)
     # Deleted: no finalizer to wait for, garbage collection takes the children.
     rest.delete(kube.api, "infd", ns, name)
     wait_for("the object gone", lambda: rest.get(kube.api, "infd", ns, name) is None, timeout=60)
+
+
+def _rollout_flow(kube: Kube, ns: str, name: str, site: str) -> None:
+    """spec.rollout: the site's own Deployment replaces the plain one (deleted with its
+    ConfigMap), the site's Nodes are watched and annotated while it stages, and a new revision's
+    ConfigMap replaces the old one's (deleted)."""
+    wave = {"name": "all", "sites": [site], "bakeSeconds": 1}
+    rest.merge_patch(kube.api, "infd", ns, name, {"spec": {"rollout": {"waves": [wave]}}})
+    wait_for(
+        "the site's Deployment", lambda: rest.get(kube.api, "deployments", ns, f"{name}-{site}")
+    )
+    wait_for("the plain one deleted", lambda: rest.get(kube.api, "deployments", ns, name) is None)
+
+    def configmaps() -> list[str]:
+        items = rest.items(kube.api, "configmaps", ns, label_selector=f"ember.dev/instance={name}")
+        return sorted(c["metadata"]["name"] for c in items)
+
+    (first,) = wait_for("one revision's ConfigMap", lambda: len(configmaps()) == 1 and configmaps())
+    rest.merge_patch(kube.api, "infd", ns, name, {"spec": {"engine": {"contextLength": 1024}}})
+
+    def rolled() -> bool:
+        obj = rest.get(kube.api, "infd", ns, name) or {}
+        rollout = (obj.get("status") or {}).get("rollout") or {}
+        return rollout.get("phase") == "Complete" and rollout.get("stableRevision") not in (
+            None,
+            first.rsplit("-", 1)[-1],
+        )
+
+    wait_for("the new revision everywhere", rolled, timeout=120)
+    wait_for("the old revision's ConfigMap deleted", lambda: first not in configmaps(), timeout=30)
 
 
 @pytest.mark.usefixtures("crd")

@@ -17,6 +17,7 @@ from ember_runtime.contract.cache import cache_label
 from ember_runtime.contract.rollout import stage_annotation
 from ember_runtime.prewarm.errors import ChecksumMismatch
 
+from tests.fleet.health import check_object
 from tests.operator import rest
 from tests.operator.specs import SHA, fleet_manifest
 from tests.support.waiting import wait_for
@@ -110,6 +111,7 @@ def test_a_two_site_rollout_passes_wave_by_wave(
     assert status["updateRevision"] == second and status["currentWave"] == "canary"
     row = kube.kubectl("-n", namespace, "get", "infd", "roll").splitlines()[1]
     assert "canary" in row, row  # the ROLLOUT column
+    assert check_object(_infd(kube, namespace, "roll")) == ("InProgress", "Progressing")
     # site-1 waits for the canary's bake (6 s after its replica is Ready)
     time.sleep(3)
     assert _site_revisions(kube, namespace, "roll")["site-1"] == first
@@ -125,6 +127,8 @@ def test_a_two_site_rollout_passes_wave_by_wave(
     obj = _infd(kube, namespace, "roll")
     assert rest.condition(obj, "Reconciling")["status"] == "False"
     assert rest.condition(obj, "Stalled")["status"] == "False"
+    # What fleet engines read of the object as the operator left it: kstatus and Argo CD.
+    assert check_object(obj) == ("Current", "Healthy")
     nodes_ = rest.request(kube.api, "GET", "/api/v1/nodes")["items"]
     key = stage_annotation(namespace, "roll")[0]
     assert not [n for n in nodes_ if key in (n["metadata"].get("annotations") or {})]
@@ -187,7 +191,8 @@ def test_a_version_that_fails_on_the_canary_is_rolled_back_there_alone(
     assert (canary["phase"], canary["reason"]) == ("Failed", "ChecksumMismatch")
     obj = _infd(kube, namespace, "bad")
     assert rest.condition(obj, "Degraded")["reason"] == "RolledBack"
-    assert rest.condition(obj, "Stalled")["status"] == "True"  # kstatus: Failed
+    assert rest.condition(obj, "Stalled")["status"] == "True"
+    assert check_object(obj) == ("Failed", "Degraded")
     assert "RolledBack" in _reasons(kube, namespace, "bad")
     wait_for(
         "Ready again on the first version",
@@ -205,6 +210,7 @@ def test_pause_holds_and_resume_goes_on(
     time.sleep(6)
     assert _site_revisions(kube, namespace, "hold") == {"site-0": first, "site-1": first}
     assert "Paused" in kube.kubectl("-n", namespace, "get", "infd", "hold")
+    assert check_object(_infd(kube, namespace, "hold")) == ("InProgress", "Suspended")
     kube.kubectl(
         "-n",
         namespace,

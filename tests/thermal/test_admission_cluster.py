@@ -1,6 +1,7 @@
 """The runtime's write path on the real API server: its ServiceAccount's RBAC and the chart's
-ValidatingAdmissionPolicy. The runtime's own patch passes (and keeps the other writers'
-conditions); another pod, another condition, a label or any other status field is refused."""
+ValidatingAdmissionPolicy. The runtime's own patches (its ember.dev/Thermal and ember.dev/Health
+conditions) pass and keep the other writers' conditions; another pod, another condition, a label
+or any other status field is refused."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ import httpx
 import pytest
 from ember_operator import render
 from ember_operator.settings import OperatorSettings
+from ember_runtime.contract.rollout import (
+    HEALTH_CONDITION,
+    HealthReport,
+    health_condition,
+    parse_health_condition,
+)
 from ember_runtime.contract.thermal import (
     THERMAL_CONDITION,
     ThermalReading,
@@ -145,16 +152,51 @@ def test_own_condition_passes_and_keeps_the_others(kube: Kube, namespace: str, p
     assert conds["PodScheduled"].status == "False"  # the scheduler's, kept by the merge
 
 
+def test_own_health_condition_passes_and_keeps_the_others(
+    kube: Kube, namespace: str, pods: Any
+) -> None:
+    sa = pods[3]
+    _wait_scheduled_condition(kube, namespace, "own")
+    endpoint = Endpoint(str(kube.api.configuration.host), sa / "token", sa / "ca.crt")
+    report = HealthReport(
+        requests=40, errors=1, ttft_p99_ms=180, throttled=False, window_seconds=300
+    )
+
+    async def write() -> None:
+        patcher = ConditionPatcher(endpoint, pod_status_path(namespace, "own"))
+        try:
+            cool = ThermalReading("Normal", 60, 16, 16)
+            await patcher.write(thermal_condition(cool, "2026-01-01T00:00:00Z"))
+            await patcher.write(health_condition(report, "2026-01-01T00:00:00Z"))
+        finally:
+            await patcher.aclose()
+
+    asyncio.run(write())
+    conds = _conditions(kube, namespace, "own")
+    ours = conds[HEALTH_CONDITION]
+    raw = {"type": ours.type, "status": ours.status, "reason": ours.reason, "message": ours.message}
+    assert parse_health_condition([raw]) == report
+    assert ours.reason == "ServerErrors" and ours.status == "False"
+    assert conds[THERMAL_CONDITION].reason == "Normal"  # both of the runtime's, side by side
+    assert conds["PodScheduled"].status == "False"  # the scheduler's, kept by the merge
+
+
+ONLY_OURS = "only the ember.dev/Thermal and ember.dev/Health conditions"
+
+
 @pytest.mark.parametrize(
     "case",
     [
         ("other", {"status": {"conditions": [_cond()]}}, "only its own pod's status"),
-        ("own", {"status": {"conditions": [_cond(ctype="Ready")]}}, "only the ember.dev/Thermal"),
         (
-            "own",
-            {"status": {"conditions": [_cond(ctype="example.com/Other")]}},
-            "only the ember.dev/Thermal",
+            "other",
+            {"status": {"conditions": [_cond(ctype=HEALTH_CONDITION)]}},
+            "only its own pod's status",
         ),
+        ("own", {"status": {"conditions": [_cond(ctype="Ready")]}}, ONLY_OURS),
+        ("own", {"status": {"conditions": [_cond(ctype="example.com/Other")]}}, ONLY_OURS),
+        ("own", {"status": {"conditions": [_cond(ctype="ember.dev/ModelDownload")]}}, ONLY_OURS),
+        ("own", {"status": {"conditions": [_cond(ctype="ember.dev/health")]}}, ONLY_OURS),
         ("own", {"metadata": {"labels": {"app": "someone-else"}}}, "labels"),
         ("own", {"metadata": {"annotations": {"a": "b"}}}, "labels, annotations"),
         ("own", {"status": {"message": "all fine here"}}, "of its pod's status"),
@@ -162,8 +204,11 @@ def test_own_condition_passes_and_keeps_the_others(kube: Kube, namespace: str, p
     ],
     ids=[
         "other-pod",
+        "other-pod-health",
         "kubelet-condition",
         "foreign-condition",
+        "node-agent-condition",
+        "health-miscased",
         "label",
         "annotation",
         "status-message",

@@ -24,8 +24,8 @@ from ember_runtime.contract.thermal import DEFAULTS, ThermalPolicy, ThermalReadi
 from ember_runtime.kube import ConditionPatcher, Endpoint, KubeClient, node_status_path
 from ember_runtime.nodeagent import windows
 from ember_runtime.nodeagent.cache import ContentCache
-from ember_runtime.nodeagent.evict import Evictor, pods_on_node
-from ember_runtime.nodeagent.fetcher import Fetcher
+from ember_runtime.nodeagent.evict import Evictor, pods_on_node, staged_on_node, together
+from ember_runtime.nodeagent.fetcher import Fetcher, SpecResolver
 from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.metrics import AgentMetrics
 from ember_runtime.nodeagent.peerauth import Identity
@@ -129,8 +129,8 @@ class AgentSettings(BaseSettings):
     cache_max_bytes: int = Field(
         default=0,
         ge=0,
-        description="The cache's budget: above it, models no pod on this node names are "
-        "evicted, least recently used first (evict.py). 0: no budget.",
+        description="The cache's budget: above it, models no pod on this node names (and no "
+        "rollout stages here) are evicted, least recently used first (evict.py). 0: no budget.",
     )
     evict_interval_seconds: float = Field(default=60.0, gt=0)
     label_resync_seconds: float = Field(
@@ -232,7 +232,11 @@ async def run(settings: AgentSettings) -> None:
         reports = DownloadReports(cache, reader, settings.node_name, fetcher.fetch_of)
         tasks.append(asyncio.create_task(reports.run()))
         if settings.cache_max_bytes:
-            in_use = pods_on_node(reader, settings.node_name, fetcher.fetch_of)
+            # A rollout's stage requests keep both versions: a rollback needs no WAN fetch.
+            in_use = together(
+                pods_on_node(reader, settings.node_name, fetcher.fetch_of),
+                staged_on_node(reader, settings.node_name, SpecResolver(reader)),
+            )
             evictor = Evictor(
                 cache,
                 views,

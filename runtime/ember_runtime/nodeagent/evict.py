@@ -10,6 +10,13 @@ never guesses what is unused. A pod that lands here after the list and names an 
 has it fetched again; prewarm, which holds the file open while copying, is never cut short
 (an unlinked file lives on while open), and a running replica reads prewarm's copy.
 
+While a rollout's stage request stands on the agent's own Node (`contract.rollout`), the named
+InferenceDeployment's digests are in use too, both its `spec.model` (the version about to be
+activated) and its `status.rollout.stableSpec.model` (the version a rollback returns to, so a
+rollback needs no WAN fetch): `staged_on_node`, read afresh each pass like the pod list. A Node
+or object that cannot be read makes the pass evict nothing; an object that is gone keeps
+nothing; a malformed model is logged and keeps nothing.
+
 Recently used: each pass stamps `<root>/used/<digest>` (its mtime) for every digest in use, so
 the order survives agent restarts; a blob never in use here counts from its own mtime (when it
 was fetched). Over budget (the sum of the complete blobs' sizes; downloads in progress are not
@@ -26,12 +33,15 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ember_runtime.contract.cache import USED_DIR, entry_size, is_digest
+from ember_runtime.contract.rollout import stable_model
 from ember_runtime.kube import KubeClient
 from ember_runtime.nodeagent.cache import ContentCache
-from ember_runtime.nodeagent.fetcher import PodFetch
+from ember_runtime.nodeagent.fetcher import PodFetch, SpecResolver, model_fetch
 from ember_runtime.nodeagent.labels import CacheLabels
+from ember_runtime.nodeagent.stage import requests_of
 from ember_runtime.nodeagent.views import DigestViews
 
 log = logging.getLogger("ember_runtime.nodeagent.evict")
@@ -47,6 +57,49 @@ def pods_on_node(reader: KubeClient, node: str, fetch_of: PodFetch) -> InUse:
         listed = await reader.get("/api/v1/pods", {"fieldSelector": f"spec.nodeName={node}"})
         fetches = [f for pod in listed["items"] if (f := fetch_of(pod)) is not None]
         return {file.sha256 for fetch in fetches for file in fetch.files}
+
+    return in_use
+
+
+def staged_on_node(reader: KubeClient, node: str, specs: SpecResolver) -> InUse:
+    """The digests the stage requests on `node`'s own Node keep: each named object's spec.model
+    and status.rollout.stableSpec.model, read afresh; raises when the Node or an object cannot
+    be read (an object that is gone keeps nothing: its rollout is over)."""
+
+    async def in_use() -> set[str]:
+        own = await reader.get(f"/api/v1/nodes/{node}")
+        used: set[str] = set()
+        for namespace, name in sorted(requests_of(own)):
+            obj = await specs.read(namespace, name)
+            if obj is not None:
+                used |= _kept_by(obj, f"{namespace}/{name}")
+        return used
+
+    return in_use
+
+
+def _kept_by(obj: dict[str, Any], where: str) -> set[str]:
+    models = {
+        "spec.model": (obj.get("spec") or {}).get("model"),
+        "status.rollout.stableSpec.model": stable_model(obj),
+    }
+    used: set[str] = set()
+    for field, model in models.items():
+        if model is None:
+            continue  # no rollout status (yet): only the spec's version to keep
+        fetch = model_fetch(model, f"staged {where} {field}")
+        used |= {f.sha256 for f in fetch.files} if fetch is not None else set()
+    return used
+
+
+def together(*sources: InUse) -> InUse:
+    """In use by any of `sources`; raises if any of them cannot tell."""
+
+    async def in_use() -> set[str]:
+        used: set[str] = set()
+        for source in sources:
+            used |= await source()
+        return used
 
     return in_use
 

@@ -1,5 +1,5 @@
 """What the node agent fetches: the http-source files of the InferenceDeployments whose pods
-run on its own node.
+run on its own node, or that a rollout asks its node to stage.
 
 The agent lists and watches pods with `fieldSelector=spec.nodeName=<node>` (the only pods it
 asks for). A pod names its InferenceDeployment (label `ember.dev/instance`, annotation
@@ -7,6 +7,14 @@ asks for). A pod names its InferenceDeployment (label `ember.dev/instance`, anno
 takes the URLs, digests, sizes and Secret from its spec, which the CRD validated. Nothing a pod
 author writes on a pod is fetched: a hand-made pod can at most name an InferenceDeployment of its
 own namespace, whose model the agent would fetch for that object's own pods anyway.
+
+A rollout's stage request (`contract.rollout`: `stage.ember.dev/<16 hex>: "<namespace>/<name>"`
+on the agent's own Node, seen by `stage.watch_own_node`) is a claim of the same kind: the agent
+reads that object through the same `SpecResolver` and fetches its `spec.model`, so the version
+is in the cache (and the Node's `cache.ember.dev/` labels) before the site's pods change. The
+object is read again every `stage_reread_seconds` while the request stands (it has no version
+the way a pod's annotation does); when the request goes, its files are no longer wanted and
+stay cached until the evictor needs the room.
 
 Each wanted digest is kept in the node cache (`cache.ContentCache`), one download at a time.
 With site sharing on (`site.SiteSharing`), a file comes from a site peer, or from the origin
@@ -28,12 +36,11 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
-from pydantic import ValidationError
 
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
@@ -45,6 +52,7 @@ from ember_runtime.nodeagent.labels import CacheLabels
 from ember_runtime.nodeagent.metrics import ORIGIN, AgentMetrics
 from ember_runtime.nodeagent.ratelimit import TokenBucket
 from ember_runtime.nodeagent.site import SiteSharing
+from ember_runtime.nodeagent.stage import StageKey, watch_own_node
 from ember_runtime.nodeagent.windows import Windows, until
 
 log = logging.getLogger("ember_runtime.nodeagent.fetcher")
@@ -52,6 +60,8 @@ log = logging.getLogger("ember_runtime.nodeagent.fetcher")
 MAX_MISMATCH_RETRY_SECONDS = 6 * 3600.0
 INFERENCE_DEPLOYMENTS = "/apis/ember.dev/v1alpha1/namespaces/{namespace}/inferencedeployments"
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain
+STAGE_REREAD_SECONDS = 60.0
+STAGED = "stage"  # a staged object's Claim.version: it is read again by time, not by version
 
 
 def _utcnow() -> dt.datetime:
@@ -90,26 +100,39 @@ class Resolver(Protocol):
     async def resolve(self, claim: Claim) -> ModelFetch | None: ...
 
 
+def model_fetch(model: Any, where: str) -> ModelFetch | None:
+    """What to fetch for one `spec.model`-shaped value (None: not an http source); a shape the
+    CRD would not have accepted is logged and counts as nothing, never as a failed pass."""
+    try:
+        return fetch_from_spec(model)
+    except (ValueError, TypeError, AttributeError) as err:  # ValidationError is a ValueError
+        log.warning("%s: unreadable model: %s", where, err)
+        return None
+
+
 class SpecResolver:
     """Reads what to fetch from the named InferenceDeployment's spec, in the pod's namespace."""
 
     def __init__(self, reader: KubeClient) -> None:
         self.reader = reader
 
-    async def resolve(self, claim: Claim) -> ModelFetch | None:
-        path = f"{INFERENCE_DEPLOYMENTS.format(namespace=claim.namespace)}/{claim.name}"
+    async def read(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object as stored; None when there is none. Raises on any other API error."""
+        path = f"{INFERENCE_DEPLOYMENTS.format(namespace=namespace)}/{name}"
         try:
-            obj = await self.reader.get(path)
+            return await self.reader.get(path)
         except ApiError as err:
             if err.status == 404:  # a hand-made pod naming nothing, or the object is gone
-                log.info("%s/%s: no such InferenceDeployment", claim.namespace, claim.name)
+                log.info("%s/%s: no such InferenceDeployment", namespace, name)
                 return None
             raise
-        try:
-            return fetch_from_spec((obj.get("spec") or {}).get("model"))
-        except (ValidationError, ValueError) as err:
-            log.warning("%s/%s: unreadable spec.model: %s", claim.namespace, claim.name, err)
+
+    async def resolve(self, claim: Claim) -> ModelFetch | None:
+        obj = await self.read(claim.namespace, claim.name)
+        if obj is None:
             return None
+        model = (obj.get("spec") or {}).get("model")
+        return model_fetch(model, f"{claim.namespace}/{claim.name} spec.model")
 
 
 @dataclass(frozen=True)
@@ -138,6 +161,7 @@ class Fetcher:
         metrics: AgentMetrics | None = None,
         labels: CacheLabels | None = None,
         resolver: Resolver | None = None,
+        stage_reread_seconds: float = STAGE_REREAD_SECONDS,
     ) -> None:
         self.cache, self.reader, self.node, self.namespace = cache, reader, node, namespace
         self.metrics, self.labels = metrics, labels
@@ -148,6 +172,12 @@ class Fetcher:
         self.pods: dict[str, ModelFetch] = {}  # pod uid → its InferenceDeployment's fetch list
         self._claims: dict[str, Claim] = {}  # pod uid → what it names (resolved or pending)
         self._pending: set[str] = set()  # pod uids whose spec could not be read yet
+        # Stage requests on the own Node (kept apart from pods: a pod relist must not drop them).
+        self.staged: dict[StageKey, ModelFetch] = {}  # request → its object's spec.model
+        self._stage_requests: frozenset[StageKey] = frozenset()
+        self._stage_pending: set[StageKey] = set()  # to read (again)
+        self.stage_reread_seconds = stage_reread_seconds
+        self._staged_at = time.monotonic()  # when every standing request was last due
         self._running: dict[str, asyncio.Task[None]] = {}  # digest → its download
         # Per (digest, URL): the last failure, when to try that URL again, how many in a row.
         self._failed: dict[tuple[str, str], FetchError] = {}
@@ -171,9 +201,10 @@ class Fetcher:
         return self.pods.get(uid)
 
     def wanted(self) -> dict[str, list[Wanted]]:
-        """Digest → every distinct (URL, Secret) the node's pods want it from, first seen first."""
+        """Digest → every distinct (URL, Secret) the node's pods and stage requests want it
+        from, first seen first."""
         out: dict[str, dict[tuple[str, str], Wanted]] = {}
-        for fetch in self.pods.values():
+        for fetch in [*self.pods.values(), *self.staged.values()]:
             for f in fetch.files:
                 w = Wanted(f, fetch.secret_ref)
                 out.setdefault(f.sha256, {}).setdefault(w.key, w)
@@ -396,28 +427,81 @@ class Fetcher:
             self.reconcile()
         return version
 
+    async def stage(self, requests: Collection[StageKey]) -> None:
+        """The stage requests on this node's own Node, as its watch last saw them: read each new
+        one's object and fetch its spec.model; a request gone is no longer wanted (its files
+        stay cached, evictable)."""
+        now = frozenset(requests)
+        if now == self._stage_requests:
+            return  # a Node event that is not about stage requests (conditions, labels)
+        for namespace, name in sorted(self._stage_requests - now):
+            log.info("stage request for %s/%s dropped", namespace, name)
+            self.staged.pop((namespace, name), None)
+            self._stage_pending.discard((namespace, name))
+        added = now - self._stage_requests
+        for namespace, name in sorted(added):
+            log.info("stage request for %s/%s picked up", namespace, name)
+        self._stage_requests = now
+        self._stage_pending |= added
+        if self.metrics is not None:
+            self.metrics.stage_requests.set(len(now))
+        await self._read_staged()
+        self.reconcile()
+
+    async def _read_staged(self) -> None:
+        """Read the pending stage requests' objects; one that cannot be read stays pending."""
+        for key in sorted(self._stage_pending):
+            namespace, name = key
+            try:
+                fetch = await self.resolver.resolve(Claim(namespace, name, STAGED))
+            except API_ERRORS as err:
+                log.warning("reading staged %s/%s: %s; again later", namespace, name, err)
+                continue
+            if key not in self._stage_requests:
+                continue  # dropped while it was being read
+            self._stage_pending.discard(key)
+            if fetch is None:
+                self.staged.pop(key, None)
+            else:
+                self.staged[key] = fetch
+
+    def _stage_due(self) -> None:
+        """A staged object's spec may change while its request stands (no version tells)."""
+        now = time.monotonic()
+        if now - self._staged_at >= self.stage_reread_seconds:
+            self._staged_at = now
+            self._stage_pending |= self._stage_requests
+
     async def tick(self) -> None:
-        """Read the specs that could not be read before, then start what is due."""
+        """Read the specs that could not be read before (or are due again), then start what
+        is due."""
         for uid in list(self._pending):
             if uid in self._claims:
                 await self._resolve(uid)
+        self._stage_due()
+        await self._read_staged()
         self.reconcile()
 
     async def run(self) -> None:
-        """Watch pods and retry failed downloads until cancelled."""
+        """Watch pods and the own Node's stage requests, and retry failed downloads, until
+        cancelled."""
         # Created up front: a pod's read-only mount of the cache needs the directory to exist.
         self.cache.blobs.mkdir(parents=True, exist_ok=True)
         self.cache.blobs.chmod(0o755)
         self.cache.root.chmod(0o755)
-        watcher = asyncio.create_task(self.watch_pods())
+        watchers = [
+            asyncio.create_task(self.watch_pods()),
+            asyncio.create_task(watch_own_node(self.reader, self.node, self.stage)),
+        ]
         try:
             while True:
                 await asyncio.sleep(min(self.retry_seconds, 10.0))
                 await self.tick()
         finally:
-            watcher.cancel()
+            for watcher in watchers:
+                watcher.cancel()
             self._thread_stop.set()  # downloads stop at their next chunk, partials kept
             for stop in list(self._window_stops):
                 stop.set()
-            await asyncio.gather(watcher, *self._running.values(), return_exceptions=True)
+            await asyncio.gather(*watchers, *self._running.values(), return_exceptions=True)
             self._http.close()

@@ -5,12 +5,13 @@ by where they came from (`source`: `origin` or `peer`), counted per chunk as the
 so an interrupted or refused transfer counts what crossed the link; bytes this node served to
 its site peers; and files placed, by source. The labels are a fixed pair, never a digest or a
 peer's address: a fleet's models and nodes would make the series unbounded, and the agent's
-log names them per transfer.
+log names them per transfer. Beside them, how many rollout stage requests stand on the node
+(a gauge, no label).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ember_runtime.promserve import ServedRegistry
 
@@ -35,6 +36,12 @@ class AgentMetrics(ServedRegistry):
         self.served_bytes = Counter(
             "ember_nodeagent_peer_served_bytes",
             "Cache bytes sent to site peers.",
+            registry=self.registry,
+        )
+        # No label: which objects are staged is in the log ("stage request ... picked up").
+        self.stage_requests = Gauge(
+            "ember_nodeagent_stage_requests",
+            "Rollout stage requests standing on this node's own Node (stage.ember.dev/).",
             registry=self.registry,
         )
         for source in (ORIGIN, PEER):  # both series exist from the start, at 0

@@ -81,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             # Refuse now, with the reason in the termination message (the pod's Degraded
             # reason), rather than be OOM-killed once the KV cache fills up under load.
             preflight(config, model, Path(os.environ.get(CGROUP_ROOT_ENV, "/sys/fs/cgroup")))
-        app = create_app(config, model_path=model, config_path=settings.config_path)
+        app = create_app(
+            config,
+            model_path=model,
+            config_path=settings.config_path,
+            health_window_seconds=settings.health_window_seconds,
+        )
     except (OSError, ValueError, EngineUnavailableError, MemoryLimitError) as exc:
         log.error("cannot start: %s", exc)
         reason = (

@@ -6,24 +6,26 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from fastapi import FastAPI
 
 from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.contract.rollout import HealthReport
+from ember_runtime.contract.thermal import ThermalReading
 from ember_runtime.engines.base import Engine, StepObserver
 from ember_runtime.kube import ConditionPatcher, Endpoint, pod_status_path
 from ember_runtime.prewarm.manifest import resolve_model_path
 from ember_runtime.sensors import TemperatureSource, build_source, telemetry_of
-from ember_runtime.server import admin, embeddings, errors, routes
+from ember_runtime.server import admin, embeddings, errors, health, routes
 from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.middleware import BodyLimit, RequestCounter
 from ember_runtime.server.settings import read_api_key
 from ember_runtime.server.state import AppState
 from ember_runtime.thermal import control
 from ember_runtime.thermal.governor import Governor
-from ember_runtime.thermal.reporter import ConditionReporter
+from ember_runtime.thermal.reporter import CoalescingReporter, ConditionReporter
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +88,10 @@ def _embedder(
     )
 
 
-def pod_reporter(config: RuntimeConfig) -> ConditionReporter | None:
-    """The pod condition reporter, when the config asks for one and the pod's identity is known
-    (POD_NAME/POD_NAMESPACE from the downward API, the projected ServiceAccount token)."""
+def pod_patcher(config: RuntimeConfig) -> ConditionPatcher | None:
+    """The writer of the pod's own conditions (thermal and health), when the config asks for
+    them and the pod's identity is known (POD_NAME/POD_NAMESPACE from the downward API, the
+    projected ServiceAccount token)."""
     name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
     if not config.sensors.report_condition:
         return None
@@ -98,17 +101,53 @@ def pod_reporter(config: RuntimeConfig) -> ConditionReporter | None:
     try:
         endpoint = Endpoint.in_cluster()
     except RuntimeError as exc:  # serving matters more than reporting: say so and go on
-        log.warning("thermal condition reports off: %s", exc)
+        log.warning("pod condition reports off: %s", exc)
         return None
     if not endpoint.token_file.is_file():
-        log.warning("thermal condition reports off: no token at %s", endpoint.token_file)
+        log.warning("pod condition reports off: no token at %s", endpoint.token_file)
         return None
     try:
-        patcher = ConditionPatcher(endpoint, pod_status_path(namespace, name))
+        return ConditionPatcher(endpoint, pod_status_path(namespace, name))
     except OSError as exc:  # e.g. an unreadable CA bundle
-        log.warning("thermal condition reports off: %s", exc)
+        log.warning("pod condition reports off: %s", exc)
         return None
+
+
+def pod_reporter(config: RuntimeConfig) -> ConditionReporter | None:
+    """The pod's thermal condition reporter (see `pod_patcher`)."""
+    patcher = pod_patcher(config)
+    return None if patcher is None else _thermal_reporter(config, patcher)
+
+
+def _thermal_reporter(config: RuntimeConfig, patcher: ConditionPatcher) -> ConditionReporter:
     return ConditionReporter(patcher, band_celsius=config.thermal.celsius_per_step)
+
+
+def _pod_reporters(
+    config: RuntimeConfig,
+    thermal: ConditionReporter | None,
+    healthy: CoalescingReporter[HealthReport] | None,
+) -> tuple[ConditionReporter | None, CoalescingReporter[HealthReport] | None]:
+    """The given reporters, the missing ones on the pod's own patcher (one for both)."""
+    patcher = pod_patcher(config) if thermal is None or healthy is None else None
+    if patcher is not None:
+        thermal = thermal or _thermal_reporter(config, patcher)
+        healthy = healthy or health.health_reporter(patcher)
+    return thermal, healthy
+
+
+def _on_reading(
+    tracker: health.HealthTracker, thermal: ConditionReporter | None
+) -> Callable[[ThermalReading], None]:
+    """Each governor decision: to the health tracker (is the batch held below capacity) and to
+    the thermal condition's reporter."""
+
+    def on_reading(reading: ThermalReading) -> None:
+        tracker.heat(reading.reduced)
+        if thermal is not None:
+            thermal.offer(reading)
+
+    return on_reading
 
 
 def create_app(
@@ -119,9 +158,12 @@ def create_app(
     sensor: TemperatureSource | None = None,
     config_path: Path | None = None,
     reporter: ConditionReporter | None = None,
+    health_reporter: CoalescingReporter[HealthReport] | None = None,
+    health_window_seconds: int = health.DEFAULT_WINDOW_SECONDS,
 ) -> FastAPI:
     """`config_path`: where to reload the thermal policy from (None: never reload).
-    `reporter`: where the thermal condition goes (default: `pod_reporter(config)`)."""
+    `reporter`, `health_reporter`: where the thermal and health conditions go (default: the
+    pod's own, see `pod_patcher`); `health_window_seconds`: the health report's window."""
     metrics = Metrics()
     chosen = engine or build_engine(config, model_path, metrics.observe_step)
     state = AppState(
@@ -132,13 +174,12 @@ def create_app(
     )
     # Smoothed (EWMA: fast attack, slow release) and NVML / npu-smi when configured.
     source = sensor or build_source(config.sensors)
-    report = reporter if reporter is not None else pod_reporter(config)
+    report, health_report = _pod_reporters(config, reporter, health_reporter)
+    tracker = health.HealthTracker(health_window_seconds)
     # The engine was built for engine.maxBatchSize; the governor gets the same typed value
     # (the policy applied to it), not the engine's answer about itself.
     state.governor = Governor(
-        config.limits(),
-        chosen.set_max_batch_size,
-        report=report.offer if report is not None else None,
+        config.limits(), chosen.set_max_batch_size, report=_on_reading(tracker, report)
     )
 
     def on_sample(temps: dict[str, float]) -> None:
@@ -169,6 +210,9 @@ def create_app(
             )
         if report is not None:
             tasks.append(asyncio.create_task(report.run()))
+        if health_report is not None:
+            tasks.append(asyncio.create_task(health_report.run()))
+            tasks.append(asyncio.create_task(health.report_forever(tracker, health_report)))
         state.ready = True
         log.info("ready: serving %s", state.engine.info.model_id)
         try:
@@ -185,6 +229,7 @@ def create_app(
 
     app = FastAPI(title="Ember runtime", lifespan=lifespan, openapi_url="/openapi.json")
     app.state.ember = state
+    app.state.health = tracker  # what the ember.dev/Health condition is read from
     errors.install(app)
     app.include_router(routes.probes)
     app.include_router(routes.api)
@@ -192,4 +237,6 @@ def create_app(
     app.include_router(admin.router)
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(BodyLimit, limit=config.server.max_body_bytes)
+    # Outermost: a body BodyLimit refuses is a 413 here (the client's, not counted).
+    app.add_middleware(health.HealthRecorder, tracker=tracker)
     return app

@@ -19,6 +19,7 @@ from fastapi import Request
 from ember_runtime.engines.base import Delta, FinishReason, GenerationStream, TokenLogprob
 from ember_runtime.server import logprobs
 from ember_runtime.server.errors import error_body
+from ember_runtime.server.health import RequestHealth
 from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.schemas import Usage
 
@@ -33,13 +34,23 @@ class Outcome:
 
 
 class Generation:
-    """Iterates a stream with the per-request timeout, recording TTFT and inter-token latency."""
+    """Iterates a stream with the per-request timeout, recording TTFT and inter-token latency
+    (and, given the request's `health` probe, its TTFT and how it ended for `server.health`)."""
 
-    def __init__(self, stream: GenerationStream, metrics: Metrics, timeout: float) -> None:
+    def __init__(
+        self,
+        stream: GenerationStream,
+        metrics: Metrics,
+        timeout: float,
+        health: RequestHealth | None = None,
+    ) -> None:
         self.stream = stream
         self.outcome = Outcome()
         self._metrics = metrics
         self._timeout = timeout
+        self._health = health
+        if health is not None:
+            health.generating = True
         self._started = time.perf_counter()
         self._last: float | None = None
 
@@ -60,12 +71,14 @@ class Generation:
                 self.stream.cancel()
             reason = self.outcome.finish_reason or FinishReason.CANCELLED.value
             self._metrics.finished.labels(reason=reason).inc()
+            if self._health is not None:
+                self._health.ended(reason)
 
     def _record(self, delta: Delta) -> None:
         if delta.n_tokens:
             now = time.perf_counter()
             if self._last is None:
-                self._metrics.ttft.observe(now - self._started)
+                self._first_token(now - self._started)
             else:
                 self._metrics.inter_token.observe(now - self._last)
             self._last = now
@@ -78,6 +91,11 @@ class Generation:
         if delta.finish_reason is not None:
             self.outcome.finish_reason = delta.finish_reason.value
             self.outcome.error = delta.error
+
+    def _first_token(self, seconds: float) -> None:
+        self._metrics.ttft.observe(seconds)
+        if self._health is not None:
+            self._health.first_token(seconds)
 
     async def run(self) -> Outcome:
         async for _ in self.deltas():

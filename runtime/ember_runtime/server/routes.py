@@ -16,7 +16,7 @@ from ember_runtime.engines.base import (
     GenerationStream,
     SamplingParams,
 )
-from ember_runtime.server import logprobs, toolcalls
+from ember_runtime.server import health, logprobs, toolcalls
 from ember_runtime.server.errors import APIError
 from ember_runtime.server.generation import (
     Generation,
@@ -399,7 +399,8 @@ async def _respond(
     tools: toolcalls.ToolPlan | None = None,
 ) -> Response:
     streams = _submit(choices, state)  # QueueFullError -> 429 right here
-    gens = [Generation(s, state.metrics, state.request_timeout) for s in streams]
+    probe = health.probe_of(request)
+    gens = [Generation(s, state.metrics, state.request_timeout, probe) for s in streams]
     model = state.engine.info.model_id
     if body.stream:
         chat = isinstance(body, ChatCompletionRequest)

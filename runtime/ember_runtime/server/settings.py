@@ -23,6 +23,7 @@ from ember_runtime.contract.config import (
     RuntimeConfig,
     load_config,
 )
+from ember_runtime.server.health import DEFAULT_WINDOW_SECONDS
 
 # Override -> (section, camelCase field) in RuntimeConfig.
 _OVERRIDES: dict[str, tuple[str, str]] = {
@@ -70,6 +71,13 @@ class ServerSettings(BaseSettings):
     max_batch_size: int | None = None
     sysfs_root: str | None = None
     log_level: str = "info"
+    # Not in the ConfigMap: the window of the pod's ember.dev/Health condition (server.health).
+    health_window_seconds: int = Field(
+        default=DEFAULT_WINDOW_SECONDS,
+        ge=1,
+        le=86_400,
+        description="window of the ember.dev/Health condition's counts and TTFT p99, seconds",
+    )
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,7 @@ class Settings:
     model_path: Path | None  # an explicit --model wins over the config's files
     log_level: str
     config_path: Path | None = None  # the file the thermal policy is reloaded from, if any
+    health_window_seconds: int = DEFAULT_WINDOW_SECONDS
 
 
 def load_settings(argv: Sequence[str] | None = None) -> Settings:
@@ -95,6 +104,7 @@ def load_settings(argv: Sequence[str] | None = None) -> Settings:
         model_path=flags.model,
         log_level=flags.log_level,
         config_path=_config_path(flags.config),
+        health_window_seconds=flags.health_window_seconds,
     )
 
 

@@ -1,5 +1,9 @@
 """Reports the thermal state as a condition, on change only: coalesced, newest wins, retried.
 
+`CoalescingReporter` is the machinery, parameterised by what is worth a write and how the
+condition is built; `ConditionReporter` is the thermal one (a pod's or a node's), and the
+runtime's `ember.dev/Health` condition (`server.health`) uses the same machinery.
+
 Like the kubelet's status manager: the newest state lives in memory, one task writes it, and when
 the API server is away the task retries with capped backoff and writes the newest state (not a
 backlog) when it answers again.
@@ -27,7 +31,7 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from ember_runtime.contract.thermal import ThermalReading, thermal_condition
 
@@ -36,6 +40,7 @@ log = logging.getLogger(__name__)
 MIN_INTERVAL_SECONDS = 2.0
 BACKOFF_INITIAL_SECONDS = 0.5
 BACKOFF_CAP_SECONDS = 4.0
+S = TypeVar("S")  # the state a condition is written from
 
 
 class ConditionWriter(Protocol):
@@ -63,72 +68,81 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class ConditionReporter:
+class CoalescingReporter(Generic[S]):
+    """One condition kept on one object: the newest state `S` in memory, written by one task when
+    `worth(last written, new)` says so, at most once per `min_interval`, retried with capped
+    backoff. `condition(state, now)` builds the condition; its lastTransitionTime moves only when
+    its `status` does. The thermal condition (`ConditionReporter`) and the runtime's
+    `ember.dev/Health` (`server.health`) are written by it."""
+
     def __init__(
         self,
         writer: ConditionWriter,
         *,
-        band_celsius: float,
-        min_interval: float = MIN_INTERVAL_SECONDS,
+        worth: Callable[[S | None, S], bool],
+        condition: Callable[[S, str], dict[str, Any]],
+        what: str,
+        min_interval: float,
         backoff_initial: float = BACKOFF_INITIAL_SECONDS,
         backoff_cap: float = BACKOFF_CAP_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._writer = writer
-        self.band_celsius = band_celsius
+        self._writer, self._worth, self._build, self._what = writer, worth, condition, what
         self._min_interval, self._clock = min_interval, clock
         self._backoff_initial, self._backoff_cap = backoff_initial, backoff_cap
-        self._written: ThermalReading | None = None
-        self._pending: ThermalReading | None = None
+        self._written: S | None = None
+        self._pending: S | None = None
         self._since: str | None = None  # lastTransitionTime of the written status
+        self._status: str | None = None  # the written status
         self._last_write = float("-inf")
         self._wake = asyncio.Event()
         self.writes = 0
         self.failures = 0
 
     @property
-    def written(self) -> ThermalReading | None:
+    def written(self) -> S | None:
         return self._written
 
     @property
-    def pending(self) -> ThermalReading | None:
+    def pending(self) -> S | None:
         return self._pending
 
-    def offer(self, reading: ThermalReading) -> None:
+    def offer(self, state: S) -> None:
         """The newest state; queued only if it is worth a write against the last written one."""
-        if worth_reporting(self._written, reading, self.band_celsius):
-            self._pending = reading
+        if self._worth(self._written, state):
+            self._pending = state
             self._wake.set()
         else:
             self._pending = None  # back where the written condition already says: nothing to do
 
-    def _condition(self, reading: ThermalReading) -> dict[str, Any]:
-        cond = thermal_condition(reading, _now())
-        if self._written is not None and self._written.limited == reading.limited and self._since:
+    def _condition(self, state: S) -> dict[str, Any]:
+        cond = self._build(state, _now())
+        if self._written is not None and self._status == cond["status"] and self._since:
             cond["lastTransitionTime"] = self._since  # moves only when status flips
         return cond
 
     async def _write_pending(self) -> None:
         """Write the newest pending state once; retry with capped backoff until it lands."""
         delay = self._backoff_initial
-        while (reading := self._pending) is not None:
+        while (state := self._pending) is not None:
             wait = self._last_write + self._min_interval - self._clock()
             if wait > 0:
                 await asyncio.sleep(wait)
                 continue  # a newer state may have arrived meanwhile: take that one
-            cond = self._condition(reading)
+            cond = self._condition(state)
             try:
                 await self._writer.write(cond)
             except Exception as exc:  # any failure is retried; the log says which
                 self.failures += 1
-                log.warning("thermal condition not written (retry in %.1fs): %s", delay, exc)
+                log.warning("%s condition not written (retry in %.1fs): %s", self._what, delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(self._backoff_cap, delay * 2)
                 continue
             self.writes += 1
             self._last_write = self._clock()
-            self._written, self._since = reading, cond["lastTransitionTime"]
-            if self._pending is reading:
+            self._written, self._since = state, cond["lastTransitionTime"]
+            self._status = cond["status"]
+            if self._pending is state:
                 self._pending = None
             delay = self._backoff_initial
 
@@ -146,3 +160,33 @@ class ConditionReporter:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._write_pending(), timeout)
         return self._pending is None
+
+
+class ConditionReporter(CoalescingReporter[ThermalReading]):
+    """The `ember.dev/Thermal` condition (a pod's or a node's). `band_celsius` may change while
+    it runs (a reloaded policy)."""
+
+    def __init__(
+        self,
+        writer: ConditionWriter,
+        *,
+        band_celsius: float,
+        min_interval: float = MIN_INTERVAL_SECONDS,
+        backoff_initial: float = BACKOFF_INITIAL_SECONDS,
+        backoff_cap: float = BACKOFF_CAP_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            writer,
+            worth=self._worth_reporting,
+            condition=thermal_condition,
+            what="thermal",
+            min_interval=min_interval,
+            backoff_initial=backoff_initial,
+            backoff_cap=backoff_cap,
+            clock=clock,
+        )
+        self.band_celsius = band_celsius
+
+    def _worth_reporting(self, last: ThermalReading | None, new: ThermalReading) -> bool:
+        return worth_reporting(last, new, self.band_celsius)

@@ -1,0 +1,1 @@
+"""Fleet engines (kstatus, Argo CD) reading the InferenceDeployment status."""
