@@ -10,13 +10,14 @@ import asyncio
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
-from ember_runtime.contract.config import ModelFetch
+from ember_runtime.contract.config import ModelFetch, fetch_from_spec
 from ember_runtime.contract.rollout import stage_annotation
 from ember_runtime.kube import ApiError, Endpoint, KubeClient
 from ember_runtime.nodeagent.cache import ContentCache
-from ember_runtime.nodeagent.fetcher import Claim, Fetcher
+from ember_runtime.nodeagent.fetcher import Claim, Fetcher, SpecResolver
 from ember_runtime.nodeagent.metrics import AgentMetrics
 from ember_runtime.nodeagent.stage import requests_of
 
@@ -152,3 +153,44 @@ def test_only_well_formed_requests_are_read_from_a_node() -> None:
     }
     assert requests_of(node) == {("tenant", "app")}
     assert requests_of(None) == frozenset()
+
+
+class Stored(SpecResolver):
+    """The real resolver's choice, over one stored object (no API server to read it from)."""
+
+    def __init__(self, obj: dict[str, Any]) -> None:
+        self.obj = obj
+
+    async def read(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.obj
+
+
+def _model(sha: str, size: int, url: str) -> dict[str, Any]:
+    return {
+        "name": "m",
+        "source": {"http": {"urls": {"m.gguf": url}}},
+        "files": [{"path": "m.gguf", "sha256": sha, "sizeBytes": size}],
+    }
+
+
+async def test_a_pod_of_the_previous_version_is_given_the_previous_files() -> None:
+    """Mid-rollout the object's spec is the next version while pods of sites not reached yet
+    (or rolled back) run the previous one: each pod gets the files of the version it names
+    (its fetch hash), the previous one's from status.rollout.stableSpec, never the next one's
+    (its prewarm would wait for files that never come, and the site would fetch ahead of its
+    wave)."""
+    v1, v2 = _model(SHA, len(DATA), "https://o/v1"), _model(NEW_SHA, len(NEW), "https://o/v2")
+    obj = {"spec": {"model": v2}, "status": {"rollout": {"stableSpec": {"model": v1}}}}
+    resolver = Stored(obj)
+    old, new = fetch_from_spec(v1), fetch_from_spec(v2)
+    assert old is not None and new is not None
+
+    async def files(version: str) -> list[str]:
+        got = await resolver.resolve(Claim("t", "a", version))
+        return [f.sha256 for f in got.files] if got else []
+
+    assert await files(old.digest()) == [SHA]
+    assert await files(new.digest()) == [NEW_SHA]
+    assert await files("an-older-rendering") == [NEW_SHA]  # no match: the spec, as before
+    del obj["status"]
+    assert await files(old.digest()) == [NEW_SHA]  # no rollout kept anything

@@ -45,6 +45,7 @@ import httpx
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
 from ember_runtime.contract.config import FetchFile, ModelFetch, fetch_from_spec
+from ember_runtime.contract.rollout import stable_model
 from ember_runtime.kube import API_ERRORS, ApiError, KubeClient
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, failure_line
 from ember_runtime.nodeagent.credentials import auth_headers, decode_secret_data
@@ -131,8 +132,17 @@ class SpecResolver:
         obj = await self.read(claim.namespace, claim.name)
         if obj is None:
             return None
-        model = (obj.get("spec") or {}).get("model")
-        return model_fetch(model, f"{claim.namespace}/{claim.name} spec.model")
+        where = f"{claim.namespace}/{claim.name}"
+        current = model_fetch((obj.get("spec") or {}).get("model"), f"{where} spec.model")
+        if current is None or current.digest() == claim.version:
+            return current
+        # A site-by-site rollout: a pod of the previous version (a site its wave has not
+        # reached, or one rolled back) names the object whose spec is already the next one.
+        # Its files are the previous version's, which the operator keeps in status.
+        stable = model_fetch(stable_model(obj), f"{where} status.rollout.stableSpec.model")
+        if stable is not None and stable.digest() == claim.version:
+            return stable
+        return current  # a pod of an older operator's rendering: the spec is all there is
 
 
 @dataclass(frozen=True)
