@@ -40,6 +40,7 @@ from tests.fleet.health import (
     check_object,
     check_objects,
 )
+from tests.operator.specs import deployment
 
 NOW = "2026-01-01T00:00:00Z"
 GEN = 5
@@ -59,18 +60,6 @@ def infd(st: dict[str, Any] | None, generation: int = GEN, **meta: Any) -> dict[
 
 
 # ------------------------------------------------------------------ the operator's own status
-
-
-def _dep(replicas: int, ready: int, updated: int | None = None) -> dict[str, Any]:
-    return {
-        "metadata": {"generation": 2},
-        "status": {
-            "observedGeneration": 2,
-            "replicas": replicas,
-            "readyReplicas": ready,
-            "updatedReplicas": replicas if updated is None else updated,
-        },
-    }
 
 
 def _pod(pod_status: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +128,7 @@ OPERATOR_CASES = [
     ),
     OperatorCase(
         "scaled-to-zero",
-        {"desired": 0, "deployment": _dep(0, 0)},
+        {"desired": 0, "deployment": deployment(0, 0)},
         {"Ready": "True", "Progressing": "False", "Degraded": "False"},
         "Current",
         "Healthy",
@@ -166,7 +155,7 @@ OPERATOR_CASES = [
     ),
     OperatorCase(
         "rolling-out",
-        {"deployment": _dep(3, 1, updated=2)},
+        {"deployment": deployment(3, 1, updated=2)},
         {"Ready": "False", "Progressing": "True", "Degraded": "False"},
         "InProgress",
         "Progressing",
@@ -177,7 +166,7 @@ OPERATOR_CASES = [
         # All replicas ready (the surge pod too) but one still runs the old template: only
         # Reconciling tells kstatus that this is not done.
         "rolling-out-all-ready",
-        {"deployment": _dep(3, 3, updated=2)},
+        {"deployment": deployment(3, 3, updated=2)},
         {"Ready": "True", "Progressing": "True", "Degraded": "False"},
         "InProgress",
         "Progressing",
@@ -198,7 +187,7 @@ OPERATOR_CASES = [
     OperatorCase(
         # Broken for Argo CD; for kstatus the kubelet still retries, so it waits (no Stalled).
         "pod-crash-looping",
-        {"deployment": _dep(3, 2), "pods": [_pod(CRASHING)]},
+        {"deployment": deployment(3, 2), "pods": [_pod(CRASHING)]},
         {"Ready": "False", "Progressing": "True", "Degraded": "True"},
         "InProgress",
         "Degraded",
@@ -208,7 +197,7 @@ OPERATOR_CASES = [
     OperatorCase(
         # Degraded=True (ModelDownloading) is slow, not broken: both engines say it moves.
         "model-downloading",
-        {"deployment": _dep(3, 0), "pods": [_pod(DOWNLOADING)]},
+        {"deployment": deployment(3, 0), "pods": [_pod(DOWNLOADING)]},
         {"Ready": "False", "Progressing": "True", "Degraded": "True"},
         "InProgress",
         "Progressing",
@@ -221,7 +210,7 @@ def _observed(overrides: dict[str, Any]) -> status.Observed:
     base: dict[str, Any] = {
         "generation": GEN,
         "desired": 3,
-        "deployment": _dep(3, 3),
+        "deployment": deployment(3, 3),
         "pods": [],
         "problems": [],
         "selector": "app=chat",

@@ -11,9 +11,7 @@ The cache is a real directory filled past its budget.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from ember_runtime.nodeagent.views import DigestViews
 from kubernetes import client
 
 from tests.conftest import Kube
+from tests.nodeagent.blobs import aged_blob
 from tests.operator import rest
 from tests.thermal.kube_support import token_dir
 
@@ -37,14 +36,7 @@ MB = 1_000_000
 
 
 def _blob(cache: ContentCache, size: int, age_s: float) -> str:
-    """A complete blob of `size` bytes, fetched `age_s` ago; its digest."""
-    data = os.urandom(size)
-    sha = hashlib.sha256(data).hexdigest()
-    cache.blobs.mkdir(parents=True, exist_ok=True)
-    cache.path(sha).write_bytes(data)
-    then = os.path.getmtime(cache.path(sha)) - age_s
-    os.utime(cache.path(sha), (then, then))
-    return sha
+    return aged_blob(cache, size, age_s)[0]
 
 
 FILES = "test.ember.dev/files"  # what this test's pods name (the agent: their spec's files)

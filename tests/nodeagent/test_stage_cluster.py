@@ -38,6 +38,7 @@ from ember_runtime.nodeagent.views import DigestViews
 from kubernetes import client
 
 from tests.conftest import Kube
+from tests.nodeagent.blobs import aged_blob
 from tests.nodeagent.origin import serve
 from tests.nodeagent.site_support import SiteWorld, model_spec, put_inference_deployment
 from tests.operator import rest
@@ -190,17 +191,6 @@ def test_a_forged_or_dangling_request_fetches_nothing(
     assert not cache.has(WRONG_SHA, len(WRONG))
 
 
-def _blob(cache: ContentCache, size: int, age_s: float) -> tuple[str, bytes]:
-    """A complete blob of `size` bytes, fetched `age_s` ago: (digest, bytes)."""
-    data = os.urandom(size)
-    sha = hashlib.sha256(data).hexdigest()
-    cache.blobs.mkdir(parents=True, exist_ok=True)
-    cache.path(sha).write_bytes(data)
-    then = os.path.getmtime(cache.path(sha)) - age_s
-    os.utime(cache.path(sha), (then, then))
-    return sha, data
-
-
 def _roll_out(kube: Kube, namespace: str, name: str, stable: dict[str, Any]) -> None:
     """status.rollout with the previous version's model, as the operator writes it."""
     body = {"status": {"rollout": {"phase": "Progressing", "stableSpec": {"model": stable}}}}
@@ -252,9 +242,9 @@ def test_while_a_request_stands_the_stable_version_is_kept_over_budget(
 ) -> None:
     (node,) = _agent_nodes(world)
     cache = ContentCache(world.tmp / "cache")
-    stable, _ = _blob(cache, 2 * MB, age_s=5000)  # the previous version: the oldest of all
-    new, _ = _blob(cache, 1 * MB, age_s=100)  # the version rolling out, staged
-    unused, _ = _blob(cache, 1 * MB, age_s=10)  # nobody's, and the newest
+    stable, _ = aged_blob(cache, 2 * MB, age_s=5000)  # the previous version: the oldest of all
+    new, _ = aged_blob(cache, 1 * MB, age_s=100)  # the version rolling out, staged
+    unused, _ = aged_blob(cache, 1 * MB, age_s=10)  # nobody's, and the newest
     files = {"new.gguf": {"url": "https://origin.example/new.gguf", "sha256": new, "sizeBytes": MB}}
     stable_files = [
         {"url": "https://origin.example/old.gguf", "sha256": stable, "sizeBytes": 2 * MB}
@@ -300,7 +290,7 @@ def test_a_request_on_another_node_is_ignored(world: SiteWorld, kube: Kube, tena
     while its own request (the control) is fetched and kept."""
     mine, other = _agent_nodes(world, 2)
     cache = ContentCache(world.tmp / "cache")
-    held, held_data = _blob(cache, MB, age_s=1000)
+    held, held_data = aged_blob(cache, MB, age_s=1000)
     with serve({"good.gguf": DATA, "evil.gguf": WRONG, "held.gguf": held_data}) as (base, origin):
         for name, path, data in (
             ("evil", "evil.gguf", WRONG),

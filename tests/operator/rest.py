@@ -131,3 +131,24 @@ def count_writes(
     for t in threads:
         t.join(seconds + 30)
     return seen
+
+
+def fail_prewarm(api: ApiClient, ns: str, pod: str, message: str, restarts: int = 3) -> None:
+    """A prewarm failure as the kubelet reports it, written to the pod's status subresource
+    (kwok nodes have no kubelet): `message` is the line the prewarm container writes."""
+    failed = {
+        "name": "prewarm",
+        "image": "x",
+        "imageID": "",
+        "ready": False,
+        "restartCount": restarts,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message}},
+    }
+    request(
+        api,
+        "PATCH",
+        f"{path('pods', ns, pod)}/status",
+        body={"status": {"initContainerStatuses": [failed]}},
+        content_type="application/strategic-merge-patch+json",
+    )

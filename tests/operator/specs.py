@@ -97,3 +97,16 @@ def rendered(
     config = render.runtime_config(spec, settings)
     sized = sizing.compute(spec, config, settings, shape)
     return render.render(owner, spec, config, settings, sized)
+
+
+def deployment(replicas: int, ready: int, updated: int | None = None) -> dict[str, Any]:
+    """A Deployment as the status code sees it (generation 2, observed), with these counts."""
+    return {
+        "metadata": {"generation": 2},
+        "status": {
+            "observedGeneration": 2,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": replicas if updated is None else updated,
+        },
+    }

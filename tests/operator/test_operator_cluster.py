@@ -392,22 +392,7 @@ def test_init_container_failure_degrades_with_an_event(
     (pod,) = rest.items(kube.api, "pods", namespace, label_selector="ember.dev/instance=eta")
     # The line the prewarm container writes, from its own writer (kwok runs no container).
     message = ChecksumMismatch("gemma.gguf", SHA, "1" * 64).termination_message()
-    failed = {
-        "name": "prewarm",
-        "image": "x",
-        "imageID": "",
-        "ready": False,
-        "restartCount": 3,
-        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message}},
-    }
-    rest.request(
-        kube.api,
-        "PATCH",
-        f"{rest.path('pods', namespace, pod['metadata']['name'])}/status",
-        body={"status": {"initContainerStatuses": [failed]}},
-        content_type="application/strategic-merge-patch+json",
-    )
+    rest.fail_prewarm(kube.api, namespace, pod["metadata"]["name"], message)
 
     def warned() -> list[dict[str, Any]]:
         events = rest.items(kube.api, "events", namespace, field_selector="involvedObject.name=eta")

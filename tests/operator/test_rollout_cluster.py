@@ -134,27 +134,6 @@ def test_a_two_site_rollout_passes_wave_by_wave(
     assert not [n for n in nodes_ if key in (n["metadata"].get("annotations") or {})]
 
 
-def _fail_prewarm(kube: Any, ns: str, pod: str) -> None:
-    """The prewarm's checksum failure as the kubelet reports it (kwok runs no container)."""
-    message = ChecksumMismatch("gemma.gguf", SHA, "1" * 64).termination_message()
-    failed = {
-        "name": "prewarm",
-        "image": "x",
-        "imageID": "",
-        "ready": False,
-        "restartCount": 2,
-        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message}},
-    }
-    rest.request(
-        kube.api,
-        "PATCH",
-        f"{rest.path('pods', ns, pod)}/status",
-        body={"status": {"initContainerStatuses": [failed]}},
-        content_type="application/strategic-merge-patch+json",
-    )
-
-
 def test_a_version_that_fails_on_the_canary_is_rolled_back_there_alone(
     kube: Any, namespace: str, operator: Any, nodes: list[str]
 ) -> None:
@@ -174,7 +153,8 @@ def test_a_version_that_fails_on_the_canary_is_rolled_back_there_alone(
         return new[0]["metadata"]["name"] if new else None
 
     pod = wait_for("a canary pod on the new version", canary_pod, timeout=60)
-    _fail_prewarm(kube, namespace, pod)
+    line = ChecksumMismatch("gemma.gguf", SHA, "1" * 64).termination_message()
+    rest.fail_prewarm(kube.api, namespace, pod, line, restarts=2)
     wait_for(
         "rolled back", lambda: _rollout(kube, namespace, "bad").get("phase") == "RolledBack", 60
     )

@@ -101,16 +101,7 @@ def _fail_new_pod(kube: Kube, ns: str, first: str) -> None:
 
     pod = wait_for("the new version's pod", new_pod, timeout=60)
     line = ChecksumMismatch("m.gguf", SHA3, "0" * 64).termination_message()
-    failed = {
-        "name": "prewarm", "image": "x", "imageID": "", "ready": False, "restartCount": 1,
-        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": line}},
-    }  # fmt: skip
-    rest.request(
-        kube.api, "PATCH", f"{rest.path('pods', ns, pod)}/status",
-        body={"status": {"initContainerStatuses": [failed]}},
-        content_type="application/strategic-merge-patch+json",
-    )  # fmt: skip
+    rest.fail_prewarm(kube.api, ns, pod, line, restarts=1)
 
 
 def test_a_bad_version_rolls_back_from_the_site_cache_with_no_wan_fetch(

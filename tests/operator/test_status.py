@@ -12,26 +12,16 @@ from ember_operator.status_writer import PodEvents, worth_an_event
 from ember_runtime.contract import reasons
 from ember_runtime.prewarm.errors import ChecksumMismatch
 
+from tests.operator.specs import deployment
+
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
-
-
-def _dep(replicas: int, ready: int, updated: int | None = None) -> dict[str, Any]:
-    return {
-        "metadata": {"generation": 2},
-        "status": {
-            "observedGeneration": 2,
-            "replicas": replicas,
-            "readyReplicas": ready,
-            "updatedReplicas": replicas if updated is None else updated,
-        },
-    }
 
 
 def _obs(**kw: Any) -> status.Observed:
     base: dict[str, Any] = {
         "generation": 5,
         "desired": 3,
-        "deployment": _dep(3, 3),
+        "deployment": deployment(3, 3),
         "pods": [],
         "problems": [],
         "selector": "a=b",
@@ -58,7 +48,7 @@ def test_all_ready() -> None:
 
 
 def test_rolling_out() -> None:
-    st = status.compute_status(_obs(deployment=_dep(3, 1, updated=2)), {}, NOW)
+    st = status.compute_status(_obs(deployment=deployment(3, 1, updated=2)), {}, NOW)
     assert _conds(st)["Ready"] == ("False", "ReplicasNotReady")
     assert _conds(st)["Progressing"] == ("True", "RollingOut")
     assert _conds(st)["Reconciling"] == ("True", "RollingOut")  # kstatus: InProgress
@@ -74,7 +64,7 @@ def _pod(status_: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[st
 
 
 def _degraded(summary: dict[str, Any]) -> dict[str, Any]:
-    st = status.compute_status(_obs(deployment=_dep(3, 2), pods=[summary]), {}, NOW)
+    st = status.compute_status(_obs(deployment=deployment(3, 2), pods=[summary]), {}, NOW)
     return next(c for c in st["conditions"] if c["type"] == "Degraded")
 
 
@@ -263,8 +253,8 @@ def test_a_rollout_key_that_goes_away_is_sent_as_null() -> None:
 
 
 def test_transition_time_only_moves_on_status_change() -> None:
-    first = status.compute_status(_obs(deployment=_dep(3, 1)), {}, NOW)
-    again = status.compute_status(_obs(deployment=_dep(3, 1)), first, LATER)
+    first = status.compute_status(_obs(deployment=deployment(3, 1)), {}, NOW)
+    again = status.compute_status(_obs(deployment=deployment(3, 1)), first, LATER)
     assert again == first
     assert status.changed_fields(again, first) == {}
     ready = status.compute_status(_obs(), first, LATER)
@@ -500,7 +490,7 @@ def test_model_downloading_lists_every_waiting_node_once() -> None:
         _waiting_pod("p-1", "node-a", "node-a: 1.2 of 3.4 GB in the node cache, ETA 2m10s"),
         _waiting_pod("p-2", "node-b", "node-b: 0.5 of 3.4 GB in the node cache, ETA 9m00s"),
     ]
-    st = status.compute_status(_obs(deployment=_dep(3, 0), pods=pods), {}, NOW)
+    st = status.compute_status(_obs(deployment=deployment(3, 0), pods=pods), {}, NOW)
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert st["reason"] == "ModelDownloading"
     assert degraded["message"] == (
@@ -522,7 +512,7 @@ def test_an_older_prewarms_message_gets_its_node_and_a_real_failure_wins() -> No
 
 
 def _degraded_of(pods: list[dict[str, Any]]) -> dict[str, Any]:
-    st = status.compute_status(_obs(deployment=_dep(3, 0), pods=pods), {}, NOW)
+    st = status.compute_status(_obs(deployment=deployment(3, 0), pods=pods), {}, NOW)
     return next(c for c in st["conditions"] if c["type"] == "Degraded")
 
 
