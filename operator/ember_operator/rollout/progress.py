@@ -177,7 +177,7 @@ def advance(old: RolloutStatus | None, world: World) -> Decision:
     else:
         _step(state, world, decision)
     decision.revisions = _revisions(state)
-    if state.phase != ROLLED_BACK:
+    if state.phase in (PROGRESSING, PAUSED, HALTED):  # done or rolled back: no request stands
         decision.stage = {s.name for s in state.sites if s.phase != PENDING}
     _summarise(state, world)
     return decision
