@@ -287,8 +287,9 @@ def _step(state: RolloutStatus, world: World, decision: Decision) -> None:
         for site in sites:
             _step_site(site, state, world, decision, spec)
             if site.phase == FAILED:
-                _roll_back(state, world, decision, f"site {site.name} failed: {site.message}")
-                wave.phase = FAILED
+                why = f"site {site.name} failed: {site.message}"
+                decision.event("Warning", "WaveFailed", f"wave {wave.name}: {why}")
+                _roll_back(state, world, decision, why)
                 return
         wave.passed = sum(s.phase == PASSED for s in sites)
         if any(s.phase == UNREACHABLE for s in sites) and (
