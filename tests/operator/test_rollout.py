@@ -300,6 +300,11 @@ def test_an_unreachable_site_halts_the_rollout_and_a_skip_policy_lets_it_go_on()
     assert fleet.status.sites[0].phase == "Skipped"
     assert fleet.status.waves[0].phase == "Passed"
     assert fleet.sites_on("v2") == {"site-00", "site-01", "site-02", "site-03"}
+    fleet.settle("v2", 61, 4)
+    assert fleet.status.phase == "Complete" and fleet.sites_on("v2") == set(SITES)
+    assert fleet.status.sites[0].phase == "Skipped", "never gated: not Passed"
+    fleet.step("v2", 1)  # the steps after completion keep the record
+    assert fleet.status.sites[0].phase == "Skipped" and fleet.status.waves[0].passed == 0
 
 
 def test_a_site_back_within_the_window_goes_on() -> None:

@@ -203,13 +203,25 @@ def _wave_list(world: World) -> str:
 
 
 def _complete(world: World, rev: str, spec: dict[str, Any], old: RolloutStatus | None) -> Decision:
+    # A site skipped while unreachable stays Skipped in the record of the rollout that
+    # completed without its gate (until the next rollout), not Passed.
+    skipped = {
+        s.name: s
+        for s in (old.sites if old is not None and old.update_revision == rev else [])
+        if s.phase == SKIPPED
+    }
     sites = [
-        SiteRollout(name=s, wave=w.name, revision=rev, phase=PASSED)
+        skipped.get(s) or SiteRollout(name=s, wave=w.name, revision=rev, phase=PASSED)
         for w in world.waves
         for s in w.sites
     ]
     waves = [
-        WaveRollout(name=w.name, phase=PASSED, sites=len(w.sites), passed=len(w.sites))
+        WaveRollout(
+            name=w.name,
+            phase=PASSED,
+            sites=len(w.sites),
+            passed=sum(site.wave == w.name and site.phase == PASSED for site in sites),
+        )
         for w in world.waves
     ]
     status = RolloutStatus(
