@@ -68,6 +68,7 @@ from tests.conftest import Kube
 from tests.drills import rollout_support as rs
 from tests.operator import rest
 from tests.support.net import free_port
+from tests.thermal.kube_support import runtime_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "rollout-bench"
@@ -300,7 +301,9 @@ class World:
         self._kwok()
         self._nodes()
         self._agents()
-        rs.runtime_rbac(self.kube, self.work)
+        policy = runtime_policy(self.kube, self.work)  # removed again at the end: a Helm
+        policy.__enter__()  # install (the e2e's) refuses a ClusterRole it does not own
+        self.closers.append(lambda: policy.__exit__(None, None, None))
         self._operator()
         self._kubelet(relay)
 

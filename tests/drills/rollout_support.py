@@ -66,7 +66,7 @@ from tests.cluster.fleet import SIM_TAINT, node_manifest
 from tests.conftest import Kube
 from tests.nodeagent.site_support import TRUSTED_SITE_LABEL, SiteWorld, claim_metadata
 from tests.support.net import free_port
-from tests.thermal.kube_support import api_server, chart_objects, kubectl_apply
+from tests.thermal.kube_support import api_server
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_VALUE = "rollout-bench"
@@ -689,18 +689,6 @@ class Agents:
             self.world.close()
         with contextlib.suppress(OSError):
             (CPU_CGROUP / f"{CGROUP_PREFIX}agents").rmdir()
-
-
-def runtime_rbac(kube: Kube, tmp: Path) -> None:
-    """The chart's runtime ClusterRole and its pod-status admission policy (+ binding), as
-    installed by the chart; left in place (the same objects other tests apply)."""
-    objects = [
-        o
-        for o in chart_objects("rbac.yaml", "thermal-admission.yaml")
-        if o["kind"] != "ClusterRoleBinding"
-        and (o["kind"] != "ClusterRole" or o["metadata"]["name"] == RUNTIME_SA)
-    ]
-    kubectl_apply(kube, objects, tmp)
 
 
 # ----------------------------------------------------------------------------- watching
