@@ -118,5 +118,4 @@ def world(
         sites=views,
         replicas=waves.replicas_per_site(spec.replicas, covered),
         now=now,
-        placement_sites=bool(spec.placement.sites),
     )

@@ -55,9 +55,7 @@ COMPLETE, PROGRESSING, PAUSED, HALTED, ROLLED_BACK = (
 # Site phases
 PENDING, STAGING, UPDATING, BAKING, PASSED = "Pending", "Staging", "Updating", "Baking", "Passed"
 FAILED, UNREACHABLE, SKIPPED = "Failed", "Unreachable", "Skipped"
-CHANGED = frozenset({UPDATING, BAKING, PASSED, FAILED})
 DONE = frozenset({PASSED, SKIPPED})
-ACTIVE = frozenset({STAGING, UPDATING, BAKING, UNREACHABLE})
 # A pod failure that is only a wait (prewarm reports the download's progress this way).
 WAITING_REASONS = frozenset({"ModelDownloading"})
 
@@ -88,7 +86,6 @@ class World:
     sites: Mapping[str, SiteView]
     replicas: Mapping[str, int]  # per site
     now: dt.datetime
-    placement_sites: bool = False  # whether the spec names its sites
 
 
 @dataclass
@@ -191,8 +188,9 @@ def _nowhere(world: World, old: RolloutStatus | None) -> Decision:
         stable_revision=stable,
         update_revision=world.update_revision,
         stable_spec=old.stable_spec if old else None,
-        message="no site to roll out to: no node carries ember.dev/site"
-        + (" with a value in placement.sites" if world.placement_sites else ""),
+        # placement.sites are covered whether or not a node carries them (unreachable then):
+        # only a spec without them and a cluster without sites comes here.
+        message="no site to roll out to: no node carries ember.dev/site",
         summary="no sites",
     )
     return Decision(status, {}, set())
@@ -357,13 +355,7 @@ class _SiteStep:
         return self.world.rollout.gate
 
     def enter(self, phase: str, message: str, reason: str | None = None) -> None:
-        site = self.site
-        site.phase, site.since, site.message, site.reason = (
-            phase,
-            stamp(self.world.now),
-            message,
-            reason,
-        )
+        _enter(self.site, phase, self.world, message, reason)
 
     def elapsed(self) -> float:
         return (self.world.now - _parse(self.site.since, self.world.now)).total_seconds()
@@ -451,8 +443,10 @@ def _waiting(failure: str) -> bool:
     return failure.split(":", 1)[0] in WAITING_REASONS
 
 
-def _enter(site: SiteRollout, phase: str, world: World, message: str) -> None:
-    site.phase, site.since, site.message, site.reason = phase, stamp(world.now), message, None
+def _enter(
+    site: SiteRollout, phase: str, world: World, message: str, reason: str | None = None
+) -> None:
+    site.phase, site.since, site.message, site.reason = phase, stamp(world.now), message, reason
 
 
 def _roll_back(state: RolloutStatus, world: World, decision: Decision, why: str) -> None:
