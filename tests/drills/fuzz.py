@@ -6,6 +6,7 @@ operator (children and observedGeneration) or reported (a Degraded condition wit
 from __future__ import annotations
 
 import copy
+import re
 import string
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ BAD_QUANTITIES = ("12 GiB", "lots", "1.5.0Mi", "Mi")
 # where mutations go, but a random valid source would only be unschedulable, not interesting.
 FIXED = {"model": manifest()["spec"]["model"]}
 SMALL = {("replicas",): st.integers(0, 2)}  # enough to create pods, not to fill the machine
+RESOURCES = ("cpu", "memory")  # resource names: the CRD checks them with a regex in CEL
+ORDERS = ("sites", "selector", "count", "percent")  # a rollout wave sets exactly one
 
 
 def spec_schema() -> dict[str, Any]:
@@ -110,7 +113,23 @@ def repair(spec: dict[str, Any]) -> dict[str, Any]:
         throttle = min(thermal.get("throttleCelsius", 78), 129)
         thermal["throttleCelsius"] = throttle
         thermal["criticalCelsius"] = max(thermal.get("criticalCelsius", 90), throttle + 1)
+    for kind, amounts in (spec.get("resources") or {}).items():  # names are CEL-checked
+        spec["resources"][kind] = dict(zip(RESOURCES, amounts.values(), strict=False))
+    rollout = spec.get("rollout")
+    if rollout is not None:
+        rollout["waves"] = [_repair_wave(w, i) for i, w in enumerate(rollout["waves"])]
     return spec
+
+
+def _repair_wave(wave: dict[str, Any], index: int) -> dict[str, Any]:
+    """A DNS-label name, unique in the list, and exactly one way to choose the wave's sites."""
+    wave["name"] = f"w{index}-" + re.sub("[^a-z0-9]", "", wave["name"].lower())[:50] + "x"
+    orders = [k for k in ORDERS if k in wave]
+    for extra in orders[1:]:
+        del wave[extra]
+    if not orders:
+        wave["count"] = 1
+    return wave
 
 
 def valid_specs() -> st.SearchStrategy[dict[str, Any]]:
