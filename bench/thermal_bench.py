@@ -1,38 +1,47 @@
-"""Does thermal control pay? Static max batch 16 vs the runtime's own governor on a hot device.
+"""Does the thermal loop pay on a device that heats with its own work?
 
-The runtime (real engine, real model) reads its temperature from a fake thermal tree; the bench
-ramps it 70 → 92 → 70 °C (a triangle over `--duration` s) and, like a throttling NPU, caps the
-runtime's CPU with a cgroup v1 quota that falls linearly from 100% of `--cpus` at 70 °C to 45%
-at 92 °C (the field report's figure). 8 streaming clients keep the server busy. Two runs:
+A site of three replicas (`python -m ember_runtime.server`: the real engine on the real Gemma 3
+270M GGUF), each on its own thermal plant (tests/thermal/plant.py: temperature from a first-order
+model driven by the CPU time the replica really consumed; the device's own throttle cuts its CPU
+quota to the profile's fraction, its trip kills the replica until it has reset). Replica 0 sits
+in a hot enclosure: its ambient rises for the middle of the run (a cabinet in the sun) and falls
+again. One open-loop Poisson load (greedy, sampled and no-sampling-field requests in turn, the
+same arrivals for every arm of a repeat), sized from the site's measured capacity, three arms:
 
-  (a) static   — `thermal.adaptive: false`: max batch stays 16;
-  (b) adaptive — the runtime's own governor (`ember_runtime.thermal.governor`) applies the policy
-                 from its config at every sensor sample (`--interval`, 0.25 s), no network.
+  (a) static   — `thermal.policy: static` (batch stays at maxBatchSize), round robin over the
+                 three (what llama-server behind a Service gives);
+  (b) governor — the runtime's own governor, still round robin;
+  (c) ladder   — the governor and the site gateway (heat routing; a Critical replica sheds new
+                 work to its peers, the ladder's second step).
 
-Reported per temperature band (cool < 78, warm 78–86, hot ≥ 86 °C): inter-token latency p50/p99
-and output tok/s, plus reaction times (the sensor file's crossing → the batch limit in force,
-read from `/admin/state` every 50 ms), as a table, JSON and a PNG (temperature, CPU quota, max
-batch, p99 ITL over time, both runs) under bench/results/thermal_bench.{md,json,png}.
+Phases (emulated time): cool, heating, sustained hot, cooling. Per arm and phase: client TTFT
+p99 and ITL p99, goodput (tokens/s of requests within the SLO), failed requests; the hot
+replica's ITL p99, seconds above its device's throttle temperature, trips, joules per output
+token (the plant's energy over the tokens it served). `--repeats` runs, arms interleaved.
 
-    sudo .venv/bin/python bench/thermal_bench.py [--duration 120] [--clients 8] [--step 2]
-                                                  [--interval 0.25]
+    flock /tmp/ember-cpu.lock .venv/bin/python bench/thermal_bench.py [--repeats 3]
+        [--speed 10] [--profile ascend-310p] [--smoke]
 
-Needs root (cgroup v1 at /sys/fs/cgroup/cpu) and the model (`ember_runtime.models`).
+Needs root (cgroup v1 cpu at /sys/fs/cgroup/cpu). Writes bench/results/thermal_bench.{md,json,png}.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import itertools
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -40,324 +49,629 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ember_runtime.contract.thermal import ThermalPolicy
 
+from bench.gateway_overhead import start
+from bench.machine import steal_seconds
+from tests.support.net import free_port
 from tests.thermal.conftest import FakeThermalTree
+from tests.thermal.plant import PROFILES, CpuQuota, Plant, Profile, process_device
 from tests.thermal.runtime_proc import RuntimeProcess, start_runtime
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000
-CAPACITY = 16  # engine.maxBatchSize: the engine's sequences and the policy's ceiling
-LOW, HIGH, MIN_QUOTA = 70.0, 92.0, 0.45
-BANDS = (("cool <78", -1e9, 78.0), ("warm 78-86", 78.0, 86.0), ("hot >=86", 86.0, 1e9))
-PROMPT = (
-    "Write a long, detailed story about a lighthouse keeper who finds a message in a "
-    "bottle. Describe the setting, the weather, the sounds and the smells, introduce every "
-    "character with care, and do not stop early. The story begins like this: It was"
+MODEL = "gemma3-270m"
+ARMS = ("static", "governor", "ladder")
+CAPACITY = 16  # engine.maxBatchSize: the static arm's batch, the governor's ceiling
+# Emulated seconds: the hot replica's enclosure warms at HEAT_AT and cools at COOL_AT.
+PHASES = (("cool", 0, 150), ("heating", 150, 400), ("hot", 400, 700), ("cooling", 700, 900))
+HEAT_AT, COOL_AT, END = 150.0, 700.0, 900.0
+PROMPTS = (
+    "Summarise in a few sentences why edge devices throttle when they get hot, and what an "
+    "operator of a fleet of such devices should watch for.",
+    "Write a short product description for a rugged fanless computer used in a wind farm.",
+    "Explain to a new engineer how continuous batching works in an inference server.",
+    "List five checks to run before deploying a model to a remote site with a slow link.",
+    "Translate into plain English: the governor lowers the batch as the junction heats.",
+    "Draft a polite reply to a customer whose kiosk answers slowly on hot afternoons.",
+)
+SAMPLING: tuple[dict[str, float], ...] = (  # what users send: greedy, sampled, and nothing at all
+    {"temperature": 0},
+    {"temperature": 0.8, "top_p": 0.95},
+    {},
 )
 
 
-def temperature_at(t: float, duration: float) -> float:
-    half = duration / 2
-    frac = t / half if t <= half else max(0.0, (duration - t) / half)
-    return LOW + (HIGH - LOW) * min(1.0, frac)
+def policy(arm: str, profile: Profile) -> ThermalPolicy:
+    """The runtime's policy: its ladder acts below the device's own throttle point."""
+    return ThermalPolicy(
+        adaptive=arm != "static",
+        min_batch_size=2,
+        throttle_celsius=profile.throttle_celsius - 18,
+        critical_celsius=profile.throttle_celsius - 8,
+        celsius_per_step=1.0,
+        hysteresis_celsius=3.0,
+    )
 
 
-def quota_fraction(temp: float) -> float:
-    return 1.0 - (1.0 - MIN_QUOTA) * (temp - LOW) / (HIGH - LOW)
+def ambient(base: float, enclosure: float) -> Any:
+    def at(emulated: float) -> float:
+        return base + (enclosure if HEAT_AT <= emulated < COOL_AT else 0.0)
 
-
-class CpuCap:
-    """A cgroup v1 cpu child holding the runtime process; the quota is written as it heats."""
-
-    def __init__(self, pid: int, cpus: float) -> None:
-        self.path = CGROUP_CPU / f"ember-thermal-bench-{os.getpid()}"
-        self.path.mkdir(exist_ok=True)
-        (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        self.cpus = cpus
-        self.set(1.0)
-        (self.path / "cgroup.procs").write_text(str(pid))  # all its threads, and future ones
-
-    def set(self, fraction: float) -> None:
-        (self.path / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * self.cpus * fraction)))
-
-    def close(self) -> None:
-        for pid in (self.path / "cgroup.procs").read_text().split():
-            with contextlib.suppress(OSError):  # it exited meanwhile
-                (CGROUP_CPU / "cgroup.procs").write_text(pid)
-        self.path.rmdir()
+    return at
 
 
 @dataclass
-class Series:
-    t: list[float] = field(default_factory=list)
-    temp: list[float] = field(default_factory=list)
-    quota: list[float] = field(default_factory=list)
-    batch: list[int] = field(default_factory=list)
-    tokens: list[tuple[float, float]] = field(default_factory=list)  # (time, gap since previous)
-    changes: list[tuple[float, int]] = field(default_factory=list)
+class Outcome:
+    sent: float  # emulated seconds since the load began
+    replica: int = -1
+    ttft: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str = ""
 
 
-async def client_loop(
-    url: str, stop: asyncio.Event, start: float, out: Series, max_tokens: int
+@dataclass
+class Replica:
+    """One replica, its cgroup and plant; restarted on the same port after a trip."""
+
+    index: int
+    work: Path
+    tree: FakeThermalTree
+    quota: CpuQuota
+    thermal: ThermalPolicy
+    args: argparse.Namespace
+    port: int = field(default_factory=free_port)
+    proc: RuntimeProcess | None = None
+    plant: Plant | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        self.proc = start_runtime(
+            self.work,
+            self.tree.root,
+            max_batch=CAPACITY,
+            min_batch=self.thermal.min_batch_size,
+            context=self.args.context,
+            threads=1,
+            thermal=self.thermal,
+            interval=0.25,
+            port=self.port,
+            model=self.args.model,
+        )
+        self.quota.add(self.proc.proc.pid)
+
+    def pid(self) -> int | None:
+        proc = self.proc
+        return proc.proc.pid if proc is not None and proc.proc.poll() is None else None
+
+    def restart(self) -> None:
+        def again() -> None:
+            if self.proc is not None:
+                self.proc.proc.wait()
+            self.restarts += 1
+            self.start()
+
+        threading.Thread(target=again, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_site(arm: str, args: argparse.Namespace, work: Path) -> list[Replica]:
+    profile = PROFILES[args.profile]
+    replicas = []
+    for i in range(3):
+        (work / f"r{i}").mkdir(parents=True)
+        quota = CpuQuota(f"r{i}", args.cpus)
+        tree = FakeThermalTree(work / f"sys{i}")
+        tree.zone(0, "cpu-thermal", args.ambient)
+        replica = Replica(i, work / f"r{i}", tree, quota, policy(arm, profile), args)
+        replica.start()
+        device = process_device(replica.pid, quota)
+        device.on_reset = replica.restart
+        enclosure = args.enclosure if i == 0 else 0.0
+        replica.plant = Plant(
+            profile,
+            device,
+            tree,
+            speed=args.speed,
+            period=0.25,
+            ambient=ambient(args.ambient, enclosure),
+        )
+        replicas.append(replica)
+    return replicas
+
+
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """Server-sent event lines, split at LF only: httpx's `aiter_lines` also splits at U+2028
+    and friends, which a sampled token may hold raw inside its JSON string."""
+    buffer = ""
+    async for text in resp.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+
+
+async def send(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], out: Outcome, ports: dict[str, int]
 ) -> None:
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-        while not stop.is_set():
-            last: float | None = None
-            async with http.stream("POST", "/v1/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    await asyncio.sleep(0.2)
-                    continue
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    if not (json.loads(line[6:]).get("choices") or [{}])[0].get("text"):
-                        continue
-                    now = time.monotonic() - start
-                    if last is not None:
-                        out.tokens.append((now, now - last))
-                    last = now
-
-
-async def driver(
-    proc: RuntimeProcess,
-    tree: FakeThermalTree,
-    cap: CpuCap,
-    *,
-    duration: float,
-    start: float,
-    out: Series,
-    stop: asyncio.Event,
-) -> None:
-    async with httpx.AsyncClient(base_url=proc.url, timeout=5) as http:
-        while (t := time.monotonic() - start) < duration:
-            temp = temperature_at(t, duration)
-            tree.set(0, temp)
-            cap.set(quota_fraction(temp))
-            state = (await http.get("/admin/state")).json()
-            out.t.append(t)
-            out.temp.append(temp)
-            out.quota.append(quota_fraction(temp))
-            out.batch.append(int(state["maxBatchSize"]))
-            await asyncio.sleep(0.5)
-    stop.set()
-
-
-async def watcher(url: str, start: float, out: Series, stop: asyncio.Event) -> None:
-    """Every batch-limit change the governor makes, timed to within 50 ms."""
-    previous: int | None = None
-    async with httpx.AsyncClient(base_url=url, timeout=5) as http:
-        while not stop.is_set():
-            batch = int((await http.get("/admin/state")).json()["maxBatchSize"])
-            if previous is not None and batch != previous:
-                out.changes.append((time.monotonic() - start, batch))
-            previous = batch
-            await asyncio.sleep(0.05)
-
-
-async def one_run(adaptive: bool, args: argparse.Namespace, limits: ThermalPolicy) -> Series:
-    work = Path(tempfile.mkdtemp(prefix="thermal-bench-"))
-    tree = FakeThermalTree(work / "sys")
-    tree.zone(0, "npu-thermal", LOW)
-    proc = start_runtime(
-        work,
-        tree.root,
-        max_batch=CAPACITY,
-        min_batch=limits.min_batch_size,
-        context=args.context,
-        interval=args.interval,
-        threads=args.threads,
-        thermal=limits.model_copy(update={"adaptive": adaptive}),
-    )
-    cap = CpuCap(proc.proc.pid, args.cpus)
-    out, stop = Series(), asyncio.Event()
+    began, last = time.perf_counter(), None
     try:
-        start = time.monotonic()
-        tasks = [
-            asyncio.create_task(client_loop(proc.url, stop, start, out, args.max_tokens))
-            for _ in range(args.clients)
-        ]
-        tasks.append(asyncio.create_task(watcher(proc.url, start, out, stop)))
-        await driver(proc, tree, cap, duration=args.duration, start=start, out=out, stop=stop)
-        _, pending = await asyncio.wait(tasks, timeout=60)
-        for task in pending:
-            task.cancel()
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                out.error = str(resp.status_code)
+                return
+            served = resp.headers.get("x-ember-replica")  # the gateway's: host:port
+            if served is not None:
+                out.replica = ports.get(served.rsplit(":", 1)[-1], -1)
+            async for line in sse_lines(resp):
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if not (json.loads(line[6:]).get("choices") or [{}])[0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    out.ttft = now - began
+                else:
+                    out.gaps.append(now - last)
+                last = now
+                out.tokens += 1
+    except httpx.HTTPError as exc:
+        out.error = type(exc).__name__
+
+
+async def open_loop(
+    arm: str, replicas: list[Replica], gateway: str, *, rate: float, seed: str, args: Any
+) -> list[Outcome]:
+    """Poisson arrivals at `rate` per real second until the emulated END."""
+    arrivals = random.Random(seed)
+    duration = END / args.speed
+    ports = {str(r.port): r.index for r in replicas}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    outcomes: list[Outcome] = []
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        tasks = []
+        start_at, due, turn = time.perf_counter(), 0.0, 0
+        while (due := due + arrivals.expovariate(rate)) < duration:
+            await asyncio.sleep(max(0.0, start_at + due - time.perf_counter()))
+            body = {
+                "model": MODEL,
+                "prompt": PROMPTS[turn % len(PROMPTS)],
+                "max_tokens": args.max_tokens,
+                "stream": True,
+                **SAMPLING[turn % len(SAMPLING)],
+            }
+            out = Outcome(sent=due * args.speed)
+            if arm == "ladder":
+                url = gateway
+            else:
+                out.replica = turn % len(replicas)  # round robin
+                url = replicas[out.replica].url
+            outcomes.append(out)
+            tasks.append(asyncio.create_task(send(client, url, body, out, ports)))
+            turn += 1
+        await asyncio.gather(*tasks)
+    return outcomes
+
+
+def watch(replicas: list[Replica], t0: float, speed: float, stop: threading.Event) -> list[Any]:
+    """(emulated s, replica, batch limit, reason) every half second, from /admin/state."""
+    seen: list[Any] = []
+    while not stop.wait(0.5):
+        now = (time.perf_counter() - t0) * speed
+        for r in replicas:
+            try:
+                state = httpx.get(f"{r.url}/admin/state", timeout=2).json()
+            except (httpx.HTTPError, ValueError):
+                seen.append((now, r.index, 0, "down"))
+                continue
+            seen.append((now, r.index, state.get("maxBatchSize"), state.get("thermalReason")))
+    return seen
+
+
+def capacity(replicas: list[Replica], seconds: float, args: argparse.Namespace) -> float:
+    """Completed requests per second with CAPACITY back-to-back clients per replica."""
+
+    async def loop() -> int:
+        done = 0
+        deadline = time.perf_counter() + seconds
+        async with httpx.AsyncClient(timeout=args.timeout) as client:
+
+            async def worker(i: int) -> None:
+                nonlocal done
+                while time.perf_counter() < deadline:
+                    out = Outcome(sent=0.0)
+                    body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": args.max_tokens}
+                    await send(client, replicas[i % 3].url, {**body, "stream": True}, out, {})
+                    done += not out.error
+
+            await asyncio.gather(*(worker(i) for i in range(3 * CAPACITY)))
+        return done
+
+    return asyncio.run(loop()) / seconds
+
+
+def run_arm(
+    arm: str, args: argparse.Namespace, rate: float, seed: str, work: Path
+) -> dict[str, Any]:
+    replicas = start_site(arm, args, work)
+    routes = work / "routes.json"
+    routes.write_text(
+        json.dumps({"models": [{"name": MODEL, "replicas": [r.url for r in replicas]}]})
+    )
+    port = free_port()
+    argv = [sys.executable, "-m", "ember_runtime.gateway", "--static", str(routes)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    gateway = start(argv, f"http://127.0.0.1:{port}/readyz", work / "gateway.log")
+    stop = threading.Event()
+    seen: list[Any] = []
+    try:
+        t0 = time.perf_counter()
+        for r in replicas:
+            assert r.plant is not None
+            r.plant.start()
+        watcher = threading.Thread(
+            target=lambda: seen.extend(watch(replicas, t0, args.speed, stop)), daemon=True
+        )
+        watcher.start()
+        outcomes = asyncio.run(
+            open_loop(arm, replicas, f"http://127.0.0.1:{port}", rate=rate, seed=seed, args=args)
+        )
+        stop.set()
+        watcher.join()
     finally:
-        proc.stop()
-        cap.close()
+        stop.set()
+        gateway.terminate()
+        gateway.wait(30)
+        for r in replicas:
+            if r.plant is not None:
+                r.plant.stop()
+            if r.proc is not None:
+                r.proc.stop()
+            r.quota.close()
+    return summarise(arm, replicas, outcomes, seen, args)
+
+
+def p99(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+def in_phase(t: float, phase: tuple[str, int, int]) -> bool:
+    return phase[1] <= t < phase[2]
+
+
+def phase_figures(
+    outcomes: list[Outcome], phase: tuple[str, int, int], args: argparse.Namespace
+) -> dict[str, Any]:
+    mine = [o for o in outcomes if in_phase(o.sent, phase)]
+    ok = [o for o in mine if not o.error and o.tokens]
+    hot = [o for o in ok if o.replica == 0]
+    good = [
+        o
+        for o in ok
+        if o.ttft <= args.slo_ttft and (not o.gaps or statistics.mean(o.gaps) <= args.slo_tpot)
+    ]
+    seconds = (phase[2] - phase[1]) / args.speed  # real seconds of the phase
+    return {
+        "requests": len(mine),
+        "failed": len(mine) - len(ok),
+        "ttft_p99_ms": _ms(p99([o.ttft for o in ok])),
+        "itl_p99_ms": _ms(p99([g for o in ok for g in o.gaps])),
+        "goodput_tok_s": sum(o.tokens for o in good) / seconds,
+        "hot_requests": len(hot),
+        "hot_itl_p99_ms": _ms(p99([g for o in hot for g in o.gaps])),
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 1)
+
+
+def summarise(
+    arm: str,
+    replicas: list[Replica],
+    outcomes: list[Outcome],
+    seen: list[Any],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    plant = replicas[0].plant
+    assert plant is not None
+    profile = plant.profile
+    log = [entry for entry in plant.log if entry[0] < END]  # the load's span, not the drain
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(log)]
+    above = sum(dt for dt, e in zip(gaps, log, strict=False) if e[1] >= profile.throttle_celsius)
+    hot_tokens = sum(o.tokens for o in outcomes if o.replica == 0 and not o.error)
+    all_tokens = sum(o.tokens for o in outcomes if not o.error)
+    joules = [r.plant.state.joules for r in replicas if r.plant is not None]
+    return {
+        "arm": arm,
+        "phases": {ph[0]: phase_figures(outcomes, ph, args) for ph in PHASES},
+        "requests": len(outcomes),
+        "failed": sum(1 for o in outcomes if o.error),
+        "errors": sorted({o.error for o in outcomes if o.error}),
+        "hot": {
+            "seconds_above_throttle": round(above, 1),
+            "share_above_throttle": round(above / END, 4),
+            "seconds_device_throttled": round(
+                sum(dt for dt, e in zip(gaps, log, strict=False) if e[3]), 1
+            ),
+            "trips": plant.state.trips,
+            "peak_celsius": round(max(e[1] for e in log), 1),
+            "joules_per_token": round(joules[0] / hot_tokens, 3) if hot_tokens else None,
+            "tokens": hot_tokens,
+        },
+        "site_joules_per_token": round(sum(joules) / all_tokens, 3) if all_tokens else None,
+        "series": {
+            "plant": [
+                (round(t, 1), round(c, 2), round(w, 1), th, down)
+                for (t, c, w, th, down) in plant.log[:: max(1, len(plant.log) // 600)]
+            ],
+            "batch": [(round(t, 1), b, reason) for (t, i, b, reason) in seen if i == 0],
+            "tokens": [
+                (round(o.sent, 1), o.replica, _ms(p99(o.gaps)))
+                for o in outcomes
+                if o.gaps and not o.error
+            ],
+        },
+    }
+
+
+def spread(values: list[float | None]) -> dict[str, float] | None:
+    real = [v for v in values if v is not None]
+    if not real:
+        return None
+    return {"median": statistics.median(real), "min": min(real), "max": max(real)}
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per arm: every figure's median and range over the repeats."""
+    out: dict[str, Any] = {}
+    for arm in ARMS:
+        mine = [r for r in runs if r["arm"] == arm]
+        phases = {
+            ph: {k: spread([r["phases"][ph][k] for r in mine]) for k in mine[0]["phases"][ph]}
+            for ph, _, _ in PHASES
+        }
+        hot = {k: spread([r["hot"][k] for r in mine]) for k in mine[0]["hot"]}
+        total = {k: spread([r[k] for r in mine]) for k in ("failed", "site_joules_per_token")}
+        out[arm] = {"phases": phases, "hot": hot, **total}
     return out
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+def goals(agg: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    ladder, static, governor = agg["ladder"], agg["static"], agg["governor"]
+
+    def worst(arm: str, key: str) -> float:
+        return float(max(r["hot"][key] for r in runs if r["arm"] == arm))
+
+    def goodput(a: dict[str, Any]) -> float:
+        return float(sum(a["phases"][ph]["goodput_tok_s"]["median"] for ph, _, _ in PHASES))
+
+    ratios = []
+    for r in (r for r in runs if r["arm"] == "ladder"):
+        cool, hot = r["phases"]["cool"]["hot_itl_p99_ms"], r["phases"]["hot"]["hot_itl_p99_ms"]
+        ratios.append(hot / cool if hot and cool else None)
+    ratio = spread(ratios)
+    static_hurt = worst("static", "trips") > 0 or worst("static", "seconds_device_throttled") > 0
+    return [
+        {
+            "goal": "(c) no trip and <= 1% of the time above throttle, "
+            "where (a) trips or throttles",
+            "met": worst("ladder", "trips") == 0
+            and worst("ladder", "share_above_throttle") <= 0.01
+            and static_hurt,
+            "figure": f"(c) trips {worst('ladder', 'trips'):.0f}, above throttle "
+            f"{100 * worst('ladder', 'share_above_throttle'):.1f}% (worst run); (a) trips "
+            f"{worst('static', 'trips'):.0f}, device throttled "
+            f"{worst('static', 'seconds_device_throttled'):.0f} s",
+        },
+        {
+            "goal": "(c) hot replica's ITL p99 while hot <= 1.2x its cool p99",
+            "met": ratio is not None and ratio["max"] <= 1.2,
+            "figure": "no hot-phase requests on the hot replica"
+            if ratio is None
+            else f"{ratio['median']:.2f}x (range {ratio['min']:.2f}-{ratio['max']:.2f})",
+        },
+        {
+            "goal": "(c) site goodput >= 0.95x (a)'s and no client-visible error",
+            "met": goodput(ladder) >= 0.95 * goodput(static) and ladder["failed"]["max"] == 0,
+            "figure": f"{goodput(ladder) / goodput(static):.2f}x, failed requests "
+            f"{ladder['failed']['max']:.0f} (worst run)",
+        },
+        {
+            "goal": "(c) ahead of (b): less time throttled by the device, no more trips, "
+            "goodput within 2%",
+            "met": worst("ladder", "seconds_device_throttled")
+            < max(1.0, worst("governor", "seconds_device_throttled"))
+            and worst("ladder", "trips") <= worst("governor", "trips")
+            and goodput(ladder) >= 0.98 * goodput(governor),
+            "figure": f"device throttled (c) {worst('ladder', 'seconds_device_throttled'):.0f} s "
+            f"vs (b) {worst('governor', 'seconds_device_throttled'):.0f} s (worst runs); trips "
+            f"(c) {worst('ladder', 'trips'):.0f} vs (b) {worst('governor', 'trips'):.0f}; goodput "
+            f"(c)/(b) {goodput(ladder) / goodput(governor):.2f}x",
+        },
+    ]
 
 
-def band_stats(run: Series, duration: float) -> dict[str, tuple[float, float, float]]:
-    out = {}
-    for name, low, high in BANDS:
-        gaps = [g for t, g in run.tokens if low <= temperature_at(t, duration) < high]
-        seconds = sum(0.5 for t in run.t if low <= temperature_at(t, duration) < high)
-        out[name] = (pct(gaps, 0.5) * 1000, pct(gaps, 0.99) * 1000, len(gaps) / max(seconds, 1e-9))
-    return out
+def _cell(value: dict[str, float] | None, fmt: str = ".0f") -> str:
+    if value is None:
+        return "–"
+    if value["min"] == value["max"]:
+        return f"{value['median']:{fmt}}"
+    return f"{value['median']:{fmt}} ({value['min']:{fmt}}–{value['max']:{fmt}})"
 
 
-def _edge(run: Series, duration: float, heating: bool, celsius: float) -> float | None:
-    """First sample time on the heating half at/above `celsius` (cooling half: below it)."""
-    for t in run.t:
-        temp = temperature_at(t, duration)
-        if (t <= duration / 2) == heating and (temp >= celsius if heating else temp < celsius):
-            return t
-    return None
+def render(out: dict[str, Any]) -> str:
+    agg, meta = out["arms"], out["meta"]
+    lines = [
+        f"# Thermal loop on a plant that heats with its own work ({meta['profile']})",
+        "",
+        f"{meta['repeats']} repeats per arm, arms interleaved; {meta['rate']:.2f} requests/s "
+        f"(open loop, {meta['load_fraction']:.0%} of the cool site's measured "
+        f"{meta['capacity']:.2f}/s); {meta['max_tokens']} tokens per request, greedy/sampled/"
+        f"no sampling fields in turn; time x{meta['speed']:.0f} ({END:.0f} s emulated per run, "
+        f"{END / meta['speed']:.0f} s real); site air {meta['ambient']:.0f} °C, replica 0's "
+        f"enclosure +{meta['enclosure']:.0f} °C "
+        f"from {HEAT_AT:.0f} to {COOL_AT:.0f} s. Device: throttle {meta['device_throttle']} °C "
+        f"(CPU quota to {meta['throttled_fraction']:.0%}), trip {meta['device_trip']} °C; "
+        f"runtime policy throttle {meta['policy_throttle']} °C, critical (shed) "
+        f"{meta['policy_critical']} °C. Each replica 1 thread, {meta['cpus']} CPU at full clock. "
+        f"SLO: TTFT <= {meta['slo_ttft']} s, TPOT <= {meta['slo_tpot'] * 1000:.0f} ms. "
+        f"Load average before {meta['loadavg_before']}, after {meta['loadavg_after']}; steal "
+        f"{meta['steal_seconds']:.1f} s.",
+        "",
+        "Cells: median (min–max) over the repeats.",
+        "",
+        "| arm | phase | TTFT p99 ms | ITL p99 ms | goodput tok/s | failed "
+        "| hot replica ITL p99 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm in ARMS:
+        for ph, _, _ in PHASES:
+            f = agg[arm]["phases"][ph]
+            lines.append(
+                f"| {arm} | {ph} | {_cell(f['ttft_p99_ms'])} | {_cell(f['itl_p99_ms'])} | "
+                f"{_cell(f['goodput_tok_s'], '.1f')} | {_cell(f['failed'])} | "
+                f"{_cell(f['hot_itl_p99_ms'])} |"
+            )
+    lines += [
+        "",
+        "| arm | hot replica: s above device throttle | device throttled s | trips | peak °C "
+        "| J/token (hot) | J/token (site) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm in ARMS:
+        h = agg[arm]["hot"]
+        lines.append(
+            f"| {arm} | {_cell(h['seconds_above_throttle'])} | "
+            f"{_cell(h['seconds_device_throttled'])} | {_cell(h['trips'])} | "
+            f"{_cell(h['peak_celsius'], '.1f')} | {_cell(h['joules_per_token'], '.2f')} | "
+            f"{_cell(agg[arm]['site_joules_per_token'], '.2f')} |"
+        )
+    lines += ["", "## Goals", ""]
+    for g in out["goals"]:
+        lines.append(f"- {'MET' if g['met'] else 'MISSED'}: {g['goal']} — {g['figure']}")
+    return "\n".join(lines) + "\n"
 
 
-def reaction_delays(
-    run: Series, limits: ThermalPolicy, duration: float
-) -> list[tuple[str, float, int, float | None]]:
-    """Delay from the temperature crossing that allows a batch to the runtime running it.
-
-    Heating: batch b is due once T >= throttle + (16 − b)·step. Cooling: b is allowed once a
-    reading `hysteresis` hotter would allow it (T < throttle + (17 − b)·step − hyst), and 16
-    once T < throttle − hysteresis.
-    """
-    out: list[tuple[str, float, int, float | None]] = []
-    thr, step, hyst = limits.throttle_celsius, limits.celsius_per_step, limits.hysteresis_celsius
-    previous = CAPACITY
-    for when, batch in run.changes:
-        heating = batch < previous
-        previous = batch
-        if heating:
-            edge = _edge(run, duration, True, thr + (16 - batch) * step)
-        elif batch == CAPACITY:
-            edge = _edge(run, duration, False, thr - hyst)
-        else:
-            edge = _edge(run, duration, False, thr + (17 - batch) * step - hyst)
-        phase = "heating" if heating else "cooling"
-        out.append((phase, when, batch, None if edge is None else when - edge))
-    return out
-
-
-def reactions(run: Series, limits: ThermalPolicy, duration: float) -> list[str]:
-    lines = []
-    for phase, when, batch, delay in reaction_delays(run, limits, duration):
-        text = f"{delay:4.2f}s after its crossing" if delay is not None else "n/a"
-        lines.append(f"{phase}: → {batch:2d} at {when:6.1f}s, {text}")
-    return lines
-
-
-def window_p99(run: Series, width: float = 5.0) -> tuple[list[float], list[float]]:
-    xs, ys = [], []
-    for t in run.t[::4]:
-        gaps = [g for tt, g in run.tokens if t - width <= tt < t]
-        if gaps:
-            xs.append(t)
-            ys.append(pct(gaps, 0.99) * 1000)
-    return xs, ys
-
-
-def plot(static: Series, adaptive: Series, path: Path) -> None:
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
-    axes[0].plot(static.t, static.temp, color="tab:red")
-    axes[0].set_ylabel("temperature °C")
-    axes[1].plot(static.t, [q * 100 for q in static.quota], color="tab:gray")
-    axes[1].set_ylabel("CPU quota %")
-    for run, label in ((static, "static 16"), (adaptive, "adaptive")):
-        axes[2].step(run.t, run.batch, where="post", label=label)
-        axes[3].plot(*window_p99(run), label=label)
-    axes[2].set_ylabel("max batch")
-    axes[3].set_ylabel("p99 inter-token ms (5 s)")
-    axes[3].set_xlabel("seconds")
-    for ax in axes[2:]:
-        ax.legend()
-    fig.suptitle("Ember thermal governor (in the runtime): static vs adaptive max batch")
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    for arm, colour in zip(ARMS, ("tab:red", "tab:orange", "tab:green"), strict=True):
+        run = next(r for r in runs if r["arm"] == arm)  # the first repeat of each
+        plant = run["series"]["plant"]
+        axes[0].plot([p[0] for p in plant], [p[1] for p in plant], color=colour, label=arm)
+        batch = run["series"]["batch"]
+        axes[1].step([b[0] for b in batch], [b[1] or 0 for b in batch], color=colour, where="post")
+        hot = [t for t in run["series"]["tokens"] if t[1] == 0 and t[2] is not None]
+        axes[2].scatter([t[0] for t in hot], [t[2] for t in hot], s=4, color=colour)
+    meta_throttle = runs[0]["meta"]["device_throttle"]
+    axes[0].axhline(meta_throttle, color="grey", linestyle="--", linewidth=0.8)
+    axes[0].set_ylabel("hot replica °C")
+    axes[0].legend()
+    axes[1].set_ylabel("batch limit (0: down)")
+    axes[2].set_ylabel("request ITL p99 ms")
+    axes[2].set_xlabel("emulated seconds")
+    for ax in axes:
+        for ph in PHASES[1:]:
+            ax.axvline(ph[1], color="lightgrey", linewidth=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def table(static: Series, adaptive: Series, duration: float) -> str:
-    s, a = band_stats(static, duration), band_stats(adaptive, duration)
-    rows = [
-        "| band | static ITL p50 ms | static p99 ms | static tok/s | adaptive p50 ms | "
-        "adaptive p99 ms | adaptive tok/s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, _, _ in BANDS:
-        rows.append(
-            f"| {name} | {s[name][0]:.1f} | {s[name][1]:.1f} | {s[name][2]:.1f} | "
-            f"{a[name][0]:.1f} | {a[name][1]:.1f} | {a[name][2]:.1f} |"
-        )
-    cool, hot = a[BANDS[0][0]][1], a[BANDS[2][0]][1]
-    rows.append("")
-    rows.append(
-        f"adaptive hot/cool p99 = {hot / cool:.2f}x (goal <= 1.15x); "
-        f"static hot/cool p99 = {s[BANDS[2][0]][1] / s[BANDS[0][0]][1]:.2f}x; "
-        f"adaptive vs static hot p99 = {hot / s[BANDS[2][0]][1]:.2f}x"
-    )
-    return "\n".join(rows)
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--profile", default="ascend-310p", choices=sorted(PROFILES))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--speed", type=float, default=10.0, help="emulated s per real s")
+    ap.add_argument("--ambient", type=float, default=25.0, help="the site's air, °C")
+    ap.add_argument("--enclosure", type=float, default=30.0, help="°C added to replica 0's air")
+    ap.add_argument("--cpus", type=float, default=0.5, help="cores per replica at full clock")
+    ap.add_argument("--load-fraction", type=float, default=0.2)
+    ap.add_argument("--rate", type=float, default=None, help="requests/s (default: measured)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--slo-ttft", type=float, default=10.0)
+    ap.add_argument("--slo-tpot", type=float, default=0.5)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--smoke", action="store_true", help="one repeat, written as *_smoke")
+    ap.add_argument("--replot", type=Path, default=None, help="redraw from a results JSON")
+    return ap.parse_args()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--duration", type=float, default=120.0, help="ramp 70→92→70 length, s")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--context", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--cpus", type=float, default=1.0, help="nominal CPU quota (cores) at 70 °C")
-    p.add_argument("--step", type=float, default=2.0, help="thermal.celsiusPerStep")
-    p.add_argument("--interval", type=float, default=0.25, help="sensor sampling period, s")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args()
-    if not CGROUP_CPU.joinpath("cpu.cfs_quota_us").exists() or os.geteuid() != 0:
-        sys.exit("needs root and cgroup v1 (/sys/fs/cgroup/cpu) to emulate the throttling device")
-    limits = ThermalPolicy(min_batch_size=4, throttle_celsius=78, celsius_per_step=args.step)
-    load_before = os.getloadavg()
-    static = asyncio.run(one_run(False, args, limits))
-    adaptive = asyncio.run(one_run(True, args, limits))
-    load_after = os.getloadavg()
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / "thermal_bench"
-    plot(static, adaptive, stem.with_suffix(".png"))
-    report = "\n".join(
-        [
-            f"clients {args.clients}, max_tokens {args.max_tokens}, ramp {args.duration:.0f}s, "
-            f"step {args.step:g} °C, CPU {args.cpus:g} core(s) → 45% at 92 °C, "
-            f"threads {args.threads}; load average (1/5/15 min) before "
-            f"{'/'.join(f'{x:.2f}' for x in load_before)}, after "
-            f"{'/'.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs",
-            table(static, adaptive, args.duration),
-            "",
-            "adaptive batch changes:",
-            *reactions(adaptive, limits, args.duration),
-            f"tokens: static {len(static.tokens)}, adaptive {len(adaptive.tokens)}; "
-            f"mean ITL static {statistics.fmean(g for _, g in static.tokens) * 1000:.1f} ms, "
-            f"adaptive {statistics.fmean(g for _, g in adaptive.tokens) * 1000:.1f} ms",
-        ]
-    )
-    stem.with_suffix(".md").write_text(report + "\n")
-    delays = reaction_delays(adaptive, limits, args.duration)
-    figures = {
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "loadAverage": {"before": load_before, "after": load_after},
-        "static": band_stats(static, args.duration),
-        "adaptive": band_stats(adaptive, args.duration),
-        "reactions": [
-            {"phase": p, "at": w, "batch": b, "delaySeconds": d} for p, w, b, d in delays
-        ],
-        "maxHeatingReactionSeconds": max(
-            (d for p, _, _, d in delays if p == "heating" and d is not None), default=None
-        ),
+    args = parse_args()
+    if args.replot is not None:  # the tables and figure again, from the data
+        out = json.loads(args.replot.read_text())
+        args.replot.with_suffix(".md").write_text(render(out))
+        plot(out["runs"], args.replot.with_suffix(".png"))
+        return
+    repeats = 1 if args.smoke else args.repeats
+    work = Path(tempfile.mkdtemp(prefix="thermal-bench-"))
+    before, steal = os.getloadavg(), steal_seconds()
+    rate = args.rate
+    measured = None
+    if rate is None:
+        site = start_site("static", args, work / "capacity")
+        try:
+            measured = capacity(site, 20.0, args)
+        finally:
+            for r in site:
+                if r.proc is not None:
+                    r.proc.stop()
+                r.quota.close()
+        rate = args.load_fraction * measured
+    print(f"capacity {measured} req/s, offering {rate:.2f}/s", flush=True)
+    runs: list[dict[str, Any]] = []
+    profile = PROFILES[args.profile]
+    for rep in range(repeats):
+        order = ARMS[rep % 3 :] + ARMS[: rep % 3]
+        for arm in order:
+            run = run_arm(arm, args, rate, f"thermal/{rep}", work / f"{rep}-{arm}")
+            run["repeat"] = rep
+            runs.append(run)
+            print(arm, rep, json.dumps(run["hot"]), flush=True)
+    the_policy = policy("ladder", profile)
+    meta = {
+        "profile": args.profile,
+        "repeats": repeats,
+        "rate": rate,
+        "capacity": measured or 0.0,
+        "load_fraction": args.load_fraction if measured else 0.0,
+        "max_tokens": args.max_tokens,
+        "speed": args.speed,
+        "ambient": args.ambient,
+        "enclosure": args.enclosure,
+        "device_throttle": profile.throttle_celsius,
+        "device_trip": profile.trip_celsius,
+        "throttled_fraction": profile.throttled_fraction,
+        "policy_throttle": the_policy.throttle_celsius,
+        "policy_critical": the_policy.critical_celsius,
+        "cpus": args.cpus,
+        "slo_ttft": args.slo_ttft,
+        "slo_tpot": args.slo_tpot,
+        "loadavg_before": [round(x, 2) for x in before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "steal_seconds": steal_seconds() - steal,
     }
-    stem.with_suffix(".json").write_text(json.dumps(figures, indent=2) + "\n")
-    print(report)
-    print(f"plot: {stem.with_suffix('.png')}")
+    for run in runs:
+        run["meta"] = meta
+    agg = aggregate(runs)
+    out = {"meta": meta, "arms": agg, "goals": goals(agg, runs), "runs": runs}
+    stem = "thermal_bench_smoke" if args.smoke else "thermal_bench"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(out, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(render(out))
+    plot(runs, args.out / f"{stem}.png")
+    print(render(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from ember_runtime.contract.thermal import (
     encode_report,
     parse_thermal_condition,
     read_thermal_condition,
+    report_joules,
     thermal_condition,
     whole_degrees,
 )
@@ -59,6 +60,7 @@ READINGS = [
     ThermalReading("SensorUnavailable", None, 16, 16, "nvml: NVML cannot start\nsecond line"),
     ThermalReading("Normal", -5, 4, 4, f"odd {REPORT_PREFIX} text; 99 °C, batch 1/1"),
     ThermalReading("PolicyOff", 120, 256, 256),
+    ThermalReading("Throttled", 84, 13, 16, "nvml: GPU is lost", joules_per_token=0.42),
 ]
 
 
@@ -85,6 +87,36 @@ def test_the_data_line_is_json_with_every_field() -> None:
     }
 
 
+def test_joules_per_token_rides_in_both_lines_and_only_when_there_is_one() -> None:
+    reading = ThermalReading("Normal", 60, 16, 16, joules_per_token=report_joules(0.4266))
+    human, data = encode_report(reading).split("\n")
+    assert human == "60 °C, batch 16/16, 0.43 J/token"
+    assert json.loads(data.removeprefix(REPORT_PREFIX))["joulesPerToken"] == 0.43
+    # Without a figure the data line is exactly the one a decoder older than the field takes.
+    plain = encode_report(ThermalReading("Normal", 60, 16, 16))
+    assert "joulesPerToken" not in plain and "J/token" not in plain
+
+
+@pytest.mark.parametrize(
+    ("value", "carried"),
+    [
+        (0.4266, 0.43),
+        (0.004567, 0.0046),
+        (12.7, 13.0),
+        (1234.5, 1200.0),
+        (0.0, 0.0),
+        (None, None),
+        (float("nan"), None),
+        (float("inf"), None),
+        (-1.0, None),
+    ],
+)
+def test_report_joules_keeps_two_significant_digits(
+    value: float | None, carried: float | None
+) -> None:
+    assert report_joules(value) == carried
+
+
 GOOD = {"reason": "Throttled", "temperatureCelsius": 84, "maxBatchSize": 13, "capacity": 16}
 
 
@@ -109,6 +141,8 @@ def _line(data: Any) -> str:
         (_line({**GOOD, "temperatureCelsius": 10_000}), "less than or equal to 1000"),
         (_line({**GOOD, "temperatureCelsius": "84"}), "temperatureCelsius"),
         (_line({**GOOD, "evict": "everything"}), "evict"),
+        (_line({**GOOD, "joulesPerToken": -0.5}), "joulesPerToken"),
+        (_line({**GOOD, "joulesPerToken": "0.5"}), "joulesPerToken"),
         (_line({k: v for k, v in GOOD.items() if k != "reason"}), "reason"),
         (_line([GOOD]), "malformed"),
     ],

@@ -18,12 +18,13 @@ from kubernetes import client
 from kubernetes.client import ApiClient
 
 from ember_operator import render, sizing
-from ember_operator.api.models import InferenceDeploymentSpec, ThermalPolicy
+from ember_operator.api.models import InferenceDeploymentSpec
 from ember_operator.apply import Applier, api_client
 from ember_operator.requeue import Coalescer, Requeue
 from ember_operator.settings import OperatorSettings
 from ember_operator.status_writer import StatusWriter
 from ember_operator.thermal.nodes import HotNodes
+from ember_operator.thermal.steps import LadderSteps
 
 # Kopf's indexes by handler id: the children's owners are found through these (`reconcile`).
 INDEXES = (
@@ -65,7 +66,7 @@ class Plan(NamedTuple):
 
     @property
     def adaptive(self) -> bool:
-        return self.spec.thermal.policy == ThermalPolicy.ADAPTIVE
+        return self.spec.thermal.adaptive
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Context:
     settings: OperatorSettings
     writer: StatusWriter
     hot: HotNodes
+    steps: LadderSteps
     plans: OrderedDict[tuple[str, int], Plan] = field(default_factory=OrderedDict)
     fresh: OrderedDict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=OrderedDict)
     reconciles: ThreadPoolExecutor = field(
@@ -113,6 +115,7 @@ def build(settings: OperatorSettings, indexes: Mapping[str, Any]) -> Context:
         settings=settings,
         writer=StatusWriter(api, settings.api_timeout_seconds),
         hot=HotNodes(client.CoreV1Api(api)),
+        steps=LadderSteps(client.CoreV1Api(api)),
         indexes=indexes,
     )
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ember_runtime.contract.thermal import REASON_CRITICAL
+from ember_runtime.contract.thermal import REASON_CRITICAL, ThermalReading
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
@@ -252,12 +252,12 @@ def _window(ctx: Context, key: Key) -> float | None:
         return None
 
 
-def _critical(indexes: Mapping[str, Any], key: Key, pod: str) -> bool:
-    """The replica's own thermal report says Critical: read from the pod index, where the
-    condition was parsed once for this event (Kopf updates indexes before handlers run)."""
+def _reading(indexes: Mapping[str, Any], key: Key, pod: str) -> ThermalReading | None:
+    """The replica's own thermal report, from the pod index, where the condition was parsed
+    once for this event (Kopf updates indexes before handlers run)."""
     summary = next((p for p in pods_of(indexes, key) if p.get("pod") == pod), None)
     reading = (summary or {}).get("thermal")  # a ThermalReading, decoded by the index
-    return reading is not None and reading.reason == REASON_CRITICAL
+    return reading if isinstance(reading, ThermalReading) else None
 
 
 def pod_changed(ctx: Context, key: Key, event: Mapping[str, Any], body: Mapping[str, Any]) -> None:
@@ -272,9 +272,12 @@ def pod_changed(ctx: Context, key: Key, event: Mapping[str, Any], body: Mapping[
         replica = Replica(key[0], body["metadata"]["name"], key[1], node)
         if gone:
             ctx.hot.forget_pod(replica)
+            ctx.steps.forget(replica)
         else:
-            critical = _critical(ctx.indexes, key, replica.pod)
+            reading = _reading(ctx.indexes, key, replica.pod)
+            critical = reading is not None and reading.reason == REASON_CRITICAL
             ctx.hot.observe_pod(replica, critical, _window(ctx, key))
+            ctx.steps.observe(replica, reading)  # an Event per step of the ladder
     ctx.refreshes.mark(key)
 
 

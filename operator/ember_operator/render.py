@@ -37,7 +37,6 @@ from ember_runtime.contract.wire import dump_yaml
 from ember_operator import quantity
 from ember_operator.api import API_VERSION, KIND
 from ember_operator.api.models import AcceleratorKind, InferenceDeploymentSpec
-from ember_operator.api.models import ThermalPolicy as PolicyKind
 from ember_operator.settings import MANAGED_BY, OperatorSettings
 from ember_operator.sizing import Sizing, threads_for
 
@@ -210,7 +209,7 @@ def thermal_policy(spec: InferenceDeploymentSpec) -> ThermalPolicy:
     `engine.maxBatchSize`, rendered once into the engine section (`RuntimeConfig.limits`)."""
     t = spec.thermal
     return ThermalPolicy(
-        adaptive=t.policy == PolicyKind.ADAPTIVE,
+        adaptive=t.adaptive,
         min_batch_size=spec.engine.min_batch_size,
         throttle_celsius=float(t.throttle_celsius),
         critical_celsius=float(t.critical_celsius),

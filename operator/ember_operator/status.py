@@ -19,6 +19,7 @@ from ember_runtime.contract.thermal import (
     REASON_SENSOR_UNAVAILABLE,
     ThermalReading,
     parse_thermal_condition,
+    report_joules,
 )
 
 from ember_operator.api.models import (
@@ -36,6 +37,9 @@ THERMAL_FIELDS = ("temperatureCelsius", "maxBatchSize")
 # ImagePullBackOff, CreateContainerConfigError, …) is the kubelet saying the pod is stuck.
 STARTING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
 MAX_MESSAGE = 512
+# Top-level status fields that can go away (sent as null then): a rollout's record, and J/token
+# once no replica has tokens in its last minute. The others are kept or always set.
+REMOVABLE = frozenset({"rollout", "joulesPerToken"})
 
 
 @dataclass(frozen=True)
@@ -220,6 +224,8 @@ def _replica_fields(reading: ThermalReading) -> dict[str, Any]:
         out["temperatureCelsius"] = reading.temperature_celsius
     if reading.max_batch_size is not None:
         out["maxBatchSize"] = reading.max_batch_size
+    if reading.joules_per_token is not None:
+        out["joulesPerToken"] = reading.joules_per_token
     return out
 
 
@@ -263,7 +269,7 @@ def _throttled(live: list[Report], adaptive: bool) -> dict[str, str]:
             "type": THROTTLED,
             "status": "False",
             "reason": reasons.THERMAL_POLICY_OFF,
-            "message": "thermal.policy is off",
+            "message": "thermal.policy is static (or off): no thermal batch control",
         }
     reduced = [(pod, r) for pod, r in live if r.reduced]
     if not reduced:
@@ -455,6 +461,9 @@ def _replica_statuses(
         name = str(pod["pod"])
         last, now = previous.get(name, {}), fresh.get(name, {})
         values = {k: now.get(k, last.get(k)) for k in THERMAL_FIELDS}
+        # J/token is not kept from an older report: a replica with no tokens in its last
+        # minute has no figure, and its report says so.
+        joules = now.get("joulesPerToken") if name in fresh else last.get("joulesPerToken")
         rows.append(
             ReplicaStatus(
                 pod=name,
@@ -462,9 +471,16 @@ def _replica_statuses(
                 phase=pod.get("phase") or None,
                 temperature_celsius=values["temperatureCelsius"],
                 max_batch_size=values["maxBatchSize"],
+                joules_per_token=joules,
             )
         )
     return rows
+
+
+def _mean_joules(rows: list[ReplicaStatus]) -> float | None:
+    """status.joulesPerToken (J/Token in `kubectl get -o wide`): the replicas' mean."""
+    figures = [r.joules_per_token for r in rows if r.joules_per_token is not None]
+    return report_joules(sum(figures) / len(figures)) if figures else None
 
 
 def _summary_reason(conditions: list[dict[str, Any]]) -> str:
@@ -501,6 +517,7 @@ def build_status(obs: Observed, old: Mapping[str, Any], now: str) -> InferenceDe
         hottest_celsius=old.get("hottestCelsius") if hottest is None else hottest,
         # The tightest limit in force: what `kubectl get infd` shows as Batch.
         max_batch_size=min(batches, default=None),
+        joules_per_token=_mean_joules(rows),
         rollout=None if obs.rollout is None else RolloutStatus.model_validate(obs.rollout),
     )
 
@@ -531,7 +548,7 @@ def changed_fields(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, 
 
 
 def _with_removed(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
-    gone = {k: None for k in old if k not in new and k == "rollout"}
+    gone = {k: None for k in old if k not in new and k in REMOVABLE}
     return {**gone, **new}
 
 

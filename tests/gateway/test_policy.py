@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ember_runtime.gateway.policy import Policy, ReplicaView, is_throttled, order, ring_order
+from ember_runtime.gateway.policy import (
+    Policy,
+    ReplicaView,
+    is_shedding,
+    is_throttled,
+    order,
+    ring_order,
+)
 
 POLICY = Policy(prefix_chars=32, min_prefix=16, load_factor=1.25)
 LONG = "You are a helpful assistant. " * 4
@@ -39,6 +46,17 @@ def test_a_throttled_replica_is_never_preferred_while_a_cool_one_has_room() -> N
 def test_a_throttled_replica_with_room_beats_a_full_cool_one() -> None:
     got = order([rep("cool", active=4), rep("hot", limit=2, throttled=True)], "hi", POLICY)
     assert keys(got) == ["hot", "cool"]
+
+
+def test_a_shedding_replica_goes_last_even_with_room_but_still_serves_alone() -> None:
+    """The thermal ladder's second step: a Critical replica takes new work only when no other
+    live replica exists, however full the others are."""
+    shedding = rep("hot", limit=4, throttled=True, shedding=True)  # floor, headroom 4
+    full = rep("cool", active=9)  # far past its batch
+    for prompt in ("hi", LONG):
+        assert keys(order([shedding, full], prompt, POLICY)) == ["cool", "hot"]
+    assert keys(order([shedding, rep("cool", healthy=False)], "hi", POLICY)) == ["hot"]
+    assert is_shedding("Critical") and not is_shedding("Throttled")
 
 
 def test_unhealthy_and_draining_replicas_are_no_candidates() -> None:

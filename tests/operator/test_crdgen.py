@@ -101,6 +101,9 @@ def test_defaults_enums_bounds_and_subresources() -> None:
         "Status",
         "Temp",
         "Batch",
+        "J/Token",
         "Rollout",
         "Age",
     ]
+    wide = {c["name"]: c for c in version["additionalPrinterColumns"]}["J/Token"]
+    assert (wide["priority"], wide["jsonPath"]) == (1, ".status.joulesPerToken")  # -o wide

@@ -55,7 +55,9 @@ def _context() -> context.Context:
     # Only the plan caches and settings are used here; no API client is needed.
     unused: Any = None
     settings = OperatorSettings(runtime_image="example/runtime:1")
-    return context.Context(api=unused, applier=unused, settings=settings, writer=unused, hot=unused)
+    return context.Context(
+        api=unused, applier=unused, settings=settings, writer=unused, hot=unused, steps=unused
+    )
 
 
 def test_a_fresh_plan_hands_its_manifests_to_the_apply_once() -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 from ember_operator.api.models import (
     AcceleratorKind,
     EngineKind,
     InferenceDeploymentStatus,
     ModelFormat,
+    ThermalPolicy,
     parse_spec,
 )
 from pydantic import ValidationError
@@ -57,11 +59,22 @@ def test_camel_case_wire_names() -> None:
         ({"server": {"port": 70000}}, "less than or equal to 65535"),
         ({"engine": {"gpuLayers": -1}}, "greater than or equal to 0"),
         ({"surprise": True}, "Extra inputs are not permitted"),
+        # YAML's bare `off` is the boolean false: refused here as by the API server, never taken
+        # for "off", and the message names the plain-YAML name.
+        (yaml.safe_load("thermal: {policy: off}"), "'adaptive', 'static' or 'off'"),
     ],
 )
 def test_invalid_specs_fail_to_parse(overrides: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValidationError, match=fragment):
         parse_spec(manifest(**overrides)["spec"])
+
+
+def test_static_thermal_policy_reads_as_written_and_off_is_its_old_name() -> None:
+    static = parse_spec(manifest(**yaml.safe_load("thermal: {policy: static}"))["spec"])
+    off = parse_spec(manifest(**yaml.safe_load('thermal: {policy: "off"}'))["spec"])
+    assert (static.thermal.policy, off.thermal.policy) == (ThermalPolicy.STATIC, ThermalPolicy.OFF)
+    assert static.thermal.adaptive is False and off.thermal.adaptive is False
+    assert parse_spec(manifest()["spec"]).thermal.adaptive is True
 
 
 def test_status_round_trips_in_camel_case() -> None:

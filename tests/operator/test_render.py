@@ -247,6 +247,24 @@ def test_a_thermal_policy_change_reaches_the_configmap_but_restarts_nothing() ->
     assert config.sensors.report_condition is True
 
 
+def test_static_renders_as_off_did_no_thermal_batch_control() -> None:
+    """`policy: static` (plain YAML) is the old `"off"` under a name YAML reads as written: the
+    same rendered objects, the runtime's policy not adaptive; `adaptive` differs in that alone."""
+    static = _render(**yaml.safe_load("thermal: {policy: static}"))
+    assert static == _render(thermal={"policy": "off"})
+    config = RuntimeConfig.model_validate(
+        yaml.safe_load(static["ConfigMap"]["data"]["config.yaml"])
+    )
+    assert config.thermal.adaptive is False
+    assert config.limits().next_batch(120.0, None) == config.engine.max_batch_size
+    adaptive = _render(thermal={"policy": "adaptive"})
+    assert adaptive["Deployment"] == static["Deployment"]  # a policy change restarts nothing
+    on = RuntimeConfig.model_validate(yaml.safe_load(adaptive["ConfigMap"]["data"]["config.yaml"]))
+    assert on.thermal.adaptive is True and on.thermal.model_copy(update={"adaptive": False}) == (
+        config.thermal
+    )
+
+
 def test_runtime_identity_and_token_only_in_the_runtime() -> None:
     pod = _pod(_render())
     assert pod["serviceAccountName"] == SETTINGS.runtime_service_account

@@ -387,6 +387,45 @@ def test_thermal_of_folds_the_replicas_own_conditions() -> None:
     assert off.throttled["reason"] == "ThermalPolicyOff"
 
 
+def test_joules_per_token_per_replica_and_their_mean() -> None:
+    """J/token from the replicas' own reports: per row, and the mean of those that have one
+    (`kubectl get infd -o wide`); a replica whose newest report has none loses its figure."""
+    from ember_runtime.contract.thermal import ThermalReading, thermal_condition
+
+    def pod(name: str, joules: float | None) -> dict[str, Any]:
+        reading = ThermalReading("Normal", 60, 16, 16, joules_per_token=joules)
+        return _reporting_pod(name, thermal_condition(reading, NOW))
+
+    pods = [pod("a", 0.42), pod("b", 0.5), pod("c", None)]
+    thermal = status.thermal_of(pods, adaptive=True)
+    assert thermal.replicas["a"] == {
+        "temperatureCelsius": 60,
+        "maxBatchSize": 16,
+        "joulesPerToken": 0.42,
+    }
+    st = status.compute_status(_obs(pods=pods, thermal=thermal), {}, NOW)
+    rows = {r["pod"]: r.get("joulesPerToken") for r in st["replicaStatuses"]}
+    assert rows == {"a": 0.42, "b": 0.5, "c": None}
+    assert st["joulesPerToken"] == 0.46  # (0.42 + 0.5) / 2, two significant digits
+    # b's next report has no figure (no tokens for a minute): its row and the mean follow.
+    pods = [pod("a", 0.42), pod("b", None), pod("c", None)]
+    later = status.compute_status(
+        _obs(pods=pods, thermal=status.thermal_of(pods, adaptive=True)), st, LATER
+    )
+    assert [r.get("joulesPerToken") for r in later["replicaStatuses"]] == [0.42, None, None]
+    assert later["joulesPerToken"] == 0.42
+    # No figure anywhere: the field goes, and so does the J/Token column's value.
+    pods = [pod("a", None)]
+    none = status.compute_status(
+        _obs(pods=pods, thermal=status.thermal_of(pods, adaptive=True)), later, LATER
+    )
+    assert "joulesPerToken" not in none
+    assert status.changed_fields(none, later)["joulesPerToken"] is None  # the patch drops it
+    # No thermal tick (e.g. the operator just restarted): the rows keep what status holds.
+    kept = status.compute_status(_obs(pods=[{"pod": "a", "phase": "Running"}]), st, LATER)
+    assert kept["joulesPerToken"] == 0.42
+
+
 def test_a_replica_without_a_sensor_says_why_in_throttled() -> None:
     """`kubectl describe infd` must answer "why is there no temperature?" (a GPU node whose
     runtime has no NVML): the replica's own report carries the cause up to the object."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -28,6 +29,11 @@ def path(dotted: str, value: Any) -> Change:
 
 def spec(**overrides: Any) -> Change:
     return lambda doc: manifest(doc["metadata"]["name"], **overrides)
+
+
+def spec_yaml(text: str) -> Change:
+    """Spec keys as a person types them: YAML 1.1, as kubectl reads it (a bare off is false)."""
+    return spec(**yaml.safe_load(text))
 
 
 HOST = {"hostPath": {"path": "/models"}}
@@ -219,6 +225,11 @@ REJECT: list[tuple[str, Change, str]] = [
         'Unsupported value: "safetensors"',
     ),
     ("unknown-thermal-policy", spec(thermal={"policy": "panic"}), 'Unsupported value: "panic"'),
+    (  # YAML's bare off is the boolean false: refused (never taken for "off"), naming static
+        "thermal-policy-bare-off",
+        spec_yaml("thermal: {policy: off}"),
+        'supported values: "adaptive", "static", "off"',
+    ),
     (
         "bad-quantity",
         spec(prewarm={"sharedMemoryLimit": "lots"}),
@@ -304,6 +315,8 @@ ACCEPT: list[tuple[str, Change]] = [
     ("nested-relative-path", path("spec.model.files.0.path", "sub/dir/model..v1.gguf")),
     ("min-equals-max-batch", spec(engine={"minBatchSize": 16, "maxBatchSize": 16})),
     ("critical-just-above", spec(thermal={"throttleCelsius": 80, "criticalCelsius": 81})),
+    ("thermal-policy-static", spec_yaml("thermal: {policy: static}")),
+    ("thermal-policy-off-quoted", spec_yaml('thermal: {policy: "off"}')),
     ("tensorrt-on-gpu", spec(**TRT)),
     ("npu-with-count", spec(accelerator={"kind": "npu", "count": 2})),
     ("cpu-count-zero", spec(accelerator={"kind": "cpu", "count": 0})),

@@ -37,7 +37,22 @@ def test_each_sample_sets_the_limit_and_only_changes_reach_the_engine() -> None:
         gov.apply(temp)
     assert pushed == [16, 13, 12, 16]
     state = gov.apply(91.0)
-    assert (state.batch, state.reason) == (10, "Critical")
+    assert (state.batch, state.reason, state.shedding) == (4, "Critical", True)
+
+
+def test_the_ladder_sheds_at_critical_and_stops_below_its_hysteresis() -> None:
+    """Batch first (78..90 °C), then at 90 the floor and shedding to peers, which holds down to
+    87 °C (critical − hysteresis) so one cooler sample does not pull work straight back; below
+    that the batch takes over again, growing only as far as a reading 3 °C hotter allows."""
+    gov, pushed = governor()
+    steps = [(84.0, 13, False), (90.0, 4, True), (88.0, 4, True), (86.9, 11, False)]
+    for temp, batch, shedding in steps:
+        state = gov.apply(temp)
+        assert (state.batch, state.shedding) == (batch, shedding), temp
+        assert (state.reason == "Critical") == shedding
+    assert gov.apply(80.0).batch == 14  # then the batch climbs back with its own hysteresis
+    assert gov.apply(70.0).batch == 16
+    assert pushed == [16, 13, 4, 11, 14, 16]
 
 
 def test_a_broken_sensor_is_sensor_unavailable_not_just_no_reading() -> None:
@@ -79,16 +94,17 @@ def test_override_wins_until_it_expires() -> None:
 
 def test_an_override_never_lifts_the_batch_above_the_policy() -> None:
     """Issue 34, hole 4: an override sheds load; it cannot switch thermal protection off.
-    Before, a pinned 16 held at a critical 91 °C (the policy says 10) for as long as asked."""
+    Before, a pinned 16 held at a critical 91 °C (the policy says 4, its floor) for as long as
+    asked."""
     gov, pushed = governor()
     gov.set_override(16, seconds=86_400)
     state = gov.apply(91.0)
-    assert (state.batch, state.reason) == (10, "Critical")
+    assert (state.batch, state.reason) == (4, "Critical")
     assert state.override is not None  # still in force: it may lower the limit again
-    assert gov.set_override(4, seconds=60).batch == 4
+    assert gov.set_override(2, seconds=60).batch == 2
     gov.set_override(16, seconds=60)
     assert gov.apply(60.0).batch == 16  # cool again: the policy allows the full batch
-    assert pushed == [16, 10, 4, 10, 16]
+    assert pushed == [16, 4, 2, 4, 16]
 
 
 def test_reloaded_policy_applies_at_once_to_the_last_reading() -> None:

@@ -20,7 +20,10 @@ from ember_runtime.contract.thermal import (
 from pydantic import ValidationError
 
 # The issue's example: an engine of 16 sequences (engine.maxBatchSize, the policy's ceiling).
-ISSUE = ThermalPolicy(min_batch_size=4, throttle_celsius=78, celsius_per_step=2).limits(16)
+# Critical far above, so the table shows the batch step alone (the ladder's first step).
+ISSUE = ThermalPolicy(
+    min_batch_size=4, throttle_celsius=78, celsius_per_step=2, critical_celsius=110
+).limits(16)
 
 
 def batch_for(temp: float, policy: BatchLimits) -> int:
@@ -29,6 +32,15 @@ def batch_for(temp: float, policy: BatchLimits) -> int:
 
 def max_batch(temp: float | None, policy: BatchLimits, current: int | None) -> int:
     return policy.next_batch(temp, current)
+
+
+def test_at_critical_the_batch_is_at_its_floor() -> None:
+    """The ladder: from critical on, the floor (and shedding), wherever the steps had got to."""
+    ladder = ThermalPolicy(min_batch_size=4, throttle_celsius=78, critical_celsius=90).limits(16)
+    assert [ladder.batch_for(t) for t in (89.9, 90.0, 95.0)] == [11, 4, 4]
+    assert ladder.shedding(90.0, False) and not ladder.shedding(89.9, False)
+    assert ladder.shedding(87.0, True) and not ladder.shedding(86.9, True)
+    assert not ladder.shedding(None, True)
 
 
 @pytest.mark.parametrize(
@@ -48,6 +60,7 @@ def max_batch(temp: float | None, policy: BatchLimits, current: int | None) -> i
         (100.0, 5),
         (101.9, 5),
         (102.0, 4),
+        (109.9, 4),
         (130.0, 4),
     ],
 )
@@ -164,7 +177,7 @@ def test_a_floor_above_the_engines_ceiling_is_capped_by_it() -> None:
     [
         (60.0, 16, "Normal", "False"),
         (84.0, 13, "Throttled", "True"),
-        (91.0, 4, "Critical", "True"),
+        (111.0, 4, "Critical", "True"),
         (None, 16, "NoReading", "False"),
     ],
 )

@@ -151,6 +151,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Batch limit in force (the smallest the replicas report).",
     },
     {
+        "name": "J/Token",
+        "type": "number",
+        "jsonPath": ".status.joulesPerToken",
+        "priority": 1,  # kubectl get -o wide
+        "description": "Energy per output token (J), the mean of the replicas' last minute.",
+    },
+    {
         "name": "Rollout",
         "type": "string",
         "jsonPath": ".status.rollout.summary",

@@ -96,6 +96,9 @@ class AcceleratorKind(StrEnum):
 
 class ThermalPolicy(StrEnum):
     ADAPTIVE = "adaptive"
+    STATIC = "static"
+    # The former name of STATIC, still accepted and meaning the same. Deprecated: YAML 1.1 reads
+    # a bare `off` as the boolean false, which the API server refuses, so it must be quoted.
     OFF = "off"
 
 
@@ -450,7 +453,13 @@ class ThermalSpec(Wire):
         )
     )
 
-    policy: ThermalPolicy = Field(default=ThermalPolicy.ADAPTIVE, description="Thermal policy.")
+    policy: ThermalPolicy = Field(
+        default=ThermalPolicy.ADAPTIVE,
+        description="Thermal policy. adaptive: lower the batch (down to engine.minBatchSize) as "
+        "the device heats. static: serve at engine.maxBatchSize always, no thermal batch "
+        'control. "off": a deprecated name for static; quote it in YAML, where a bare off is the '
+        "boolean false.",
+    )
     # Whole degrees and seconds here; the defaults are the runtime's (contract.thermal).
     throttle_celsius: int = Field(
         default=int(DEFAULTS.throttle_celsius),
@@ -476,6 +485,11 @@ class ThermalSpec(Wire):
         le=3600,
         description="How long critical must last before acting.",
     )
+
+    @property
+    def adaptive(self) -> bool:
+        """The runtime controls the batch; static and its old name "off" both mean it does not."""
+        return self.policy == ThermalPolicy.ADAPTIVE
 
 
 # ----------------------------------------------------------------------------- server
@@ -782,6 +796,12 @@ class ReplicaStatus(Wire):
     max_batch_size: int | None = Field(
         default=None, description="Batch size currently allowed (thermal control fills it)."
     )
+    joules_per_token: float | None = Field(
+        default=None,
+        ge=0,
+        description="Energy per output token over the replica's last minute (J), from its power "
+        "sensor (NVML, npu-smi, hwmon, RAPL); absent without a sensor or without tokens.",
+    )
 
 
 class SiteHealth(Wire):
@@ -859,6 +879,11 @@ class InferenceDeploymentStatus(Wire):
     max_batch_size: int | None = Field(
         default=None,
         description="Smallest batch size currently allowed across replicas (thermal control).",
+    )
+    joules_per_token: float | None = Field(
+        default=None,
+        ge=0,
+        description="Energy per output token (J): the mean of the replicas that report it.",
     )
     conditions: list[Condition] = Field(
         default_factory=list,

@@ -280,7 +280,7 @@ FULL_BATCH = _define(
     "FullBatch", OPERATOR, "Every replica runs at its full batch.", condition="Throttled"
 )
 THERMAL_POLICY_OFF = _define(
-    "ThermalPolicyOff", OPERATOR, "`thermal.policy` is off.", condition="Throttled"
+    "ThermalPolicyOff", OPERATOR, "`thermal.policy` is static (or off).", condition="Throttled"
 )
 # The runtime's and node agent's own ember.dev/Thermal condition (names in contract/thermal.py).
 _THERMAL = thermal.THERMAL_CONDITION
@@ -304,7 +304,9 @@ _define(
     "No temperature sensor found: full batch. Check `operator.sensorsSysfsRoot`.",
     condition=_THERMAL,
 )
-_define(thermal.REASON_POLICY_OFF, RUNTIME, "`thermal.policy` is off.", condition=_THERMAL)
+_define(
+    thermal.REASON_POLICY_OFF, RUNTIME, "`thermal.policy` is static (or off).", condition=_THERMAL
+)
 _define(
     thermal.REASON_SENSOR_UNAVAILABLE,
     RUNTIME,

@@ -64,18 +64,24 @@ DEFAULT_MIN_BATCH_SIZE = 4
 class ThermalPolicy(Wire):
     """Temperature → batch limit, applied by the runtime at every sample (`BatchLimits`).
 
-    Batch limit, for an engine allocated for `capacity` sequences::
+        Batch limit, for an engine allocated for `capacity` sequences::
 
-        T <  throttle : capacity
-        T >= throttle : clamp(capacity − floor((T − throttle) / step), minBatch, capacity)
+            T <  throttle : capacity
+            T >= throttle : clamp(capacity − floor((T − throttle) / step), minBatch, capacity)
+            T >= critical : minBatch, and shedding
 
-    with hysteresis on the way back up, so a reading that wobbles around a step edge does not
-    flap the batch (each change costs a scheduling hiccup): the batch grows only to what a
-    reading `hysteresis` °C hotter would allow, and returns to the full batch only once
-    T < throttle − hysteresis. Shrinking is never delayed: heat is what hurts p99.
+    That is the step-down ladder: first the batch, step by step; at `critical` the batch is at its
+    floor and the replica sheds: its reason turns Critical, and the site gateway sends new work to
+    its cooler peers (it takes work only when no peer is live), until T < critical − hysteresis.
+    The operator moves a replica that stays Critical for `critical_for_seconds` off its node.
 
-    Example (throttle 78, step 2, capacity 16, min 4, hysteresis 3): 84 °C → 13; cooling,
-    82 → 13, 80 → 14, 77 → 15, 75 → 15, 74.9 → 16.
+        with hysteresis on the way back up, so a reading that wobbles around a step edge does not
+        flap the batch (each change costs a scheduling hiccup): the batch grows only to what a
+        reading `hysteresis` °C hotter would allow, and returns to the full batch only once
+        T < throttle − hysteresis. Shrinking is never delayed: heat is what hurts p99.
+
+        Example (throttle 78, step 2, capacity 16, min 4, hysteresis 3): 84 °C → 13; cooling,
+        82 → 13, 80 → 14, 77 → 15, 75 → 15, 74.9 → 16.
     """
 
     adaptive: bool = Field(default=True, description="False: always serve at maxBatchSize.")
@@ -141,6 +147,8 @@ class BatchLimits:
         p = self.policy
         if temp < p.throttle_celsius:
             return self.max_batch_size
+        if temp >= p.critical_celsius:
+            return self.min_batch_size
         steps = math.floor((temp - p.throttle_celsius) / p.celsius_per_step)
         return self._clamp(self.max_batch_size - steps)
 
@@ -162,13 +170,22 @@ class BatchLimits:
         cautious = min(self.batch_for(hotter), self.max_batch_size - 1)
         return self._clamp(max(current, cautious))
 
-    def reason(self, temp: float | None, batch: int) -> ThermalReason:
-        """The condition reason for a replica at `temp` running `batch`."""
+    def shedding(self, temp: float | None, was: bool) -> bool:
+        """The ladder's second step, with hysteresis: from `critical` down to `critical −
+        hysteresis` the replica keeps asking for its new work to go to cooler peers."""
+        if not self.policy.adaptive or temp is None or math.isnan(temp):
+            return False
+        if temp >= self.policy.critical_celsius:
+            return True
+        return was and temp >= self.policy.critical_celsius - self.policy.hysteresis_celsius
+
+    def reason(self, temp: float | None, batch: int, shedding: bool = False) -> ThermalReason:
+        """The condition reason for a replica at `temp` running `batch` (Critical: shedding)."""
         if not self.policy.adaptive:
             return REASON_POLICY_OFF
         if temp is None:
             return REASON_NO_READING
-        if temp >= self.policy.critical_celsius:
+        if shedding or temp >= self.policy.critical_celsius:
             return REASON_CRITICAL
         return REASON_THROTTLED if batch < self.max_batch_size else REASON_NORMAL
 
@@ -186,6 +203,23 @@ def whole_degrees(temp: float | None) -> int | None:
     return max(MIN_CELSIUS, min(MAX_CELSIUS, round(temp)))
 
 
+# Joules per output token as a report carries it: two significant digits (0.42, 1.3, 17), so
+# the noise in the last digits is never a change; `thermal.reporter` adds a band and a rate.
+JOULES_DIGITS = 2
+MAX_JOULES_PER_TOKEN = 1e6
+JoulesPerToken = Annotated[float, Field(ge=0, le=MAX_JOULES_PER_TOKEN, allow_inf_nan=False)]
+
+
+def report_joules(value: float | None) -> float | None:
+    """A J/token figure as a report carries it (two significant digits); None for no figure."""
+    if value is None or not math.isfinite(value) or value < 0:
+        return None
+    if value == 0:
+        return 0.0
+    digits = JOULES_DIGITS - 1 - math.floor(math.log10(value))
+    return min(MAX_JOULES_PER_TOKEN, float(round(value, digits)))
+
+
 @dataclass(
     frozen=True,
     config=ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True),
@@ -198,6 +232,9 @@ class ThermalReading:
     max_batch_size: Batch | None = None  # the limit in force (None on a node's condition)
     capacity: Batch | None = None  # the engine's own maximum (ditto)
     detail: str | None = None  # why a configured sensor gives no reading, if one does not
+    # Energy per output token over the replica's last minute (a pod's, when a power sensor
+    # reads and tokens were generated; `report_joules` precision).
+    joules_per_token: JoulesPerToken | None = None
 
     @field_validator("detail")
     @classmethod
@@ -223,11 +260,13 @@ class ThermalReading:
 
     def message(self) -> str:
         """The human line: `84 °C, batch 13/16` (a pod), `84 °C` (a node), `no reading, …`,
-        with a sensor problem after `; `."""
+        then `, 0.42 J/token` when the pod has that figure, a sensor problem after `; `."""
         temp = self.temperature_celsius
         head = "no reading" if temp is None else f"{temp} °C"
         if self.max_batch_size is not None:
             head = f"{head}, batch {self.max_batch_size}/{self.capacity}"
+        if self.joules_per_token is not None:
+            head = f"{head}, {self.joules_per_token:g} J/token"
         if self.detail:
             head = f"{head}; {self.detail}"
         return head
@@ -242,7 +281,10 @@ class ThermalReportError(ValueError):
 
 def encode_report(reading: ThermalReading) -> str:
     """The condition's message: the human line, then the same values as one line of JSON."""
-    data = _READING.dump_json(reading, by_alias=True).decode()  # every key, null or not
+    # Every key, null or not; except joulesPerToken, present only with a figure: a report
+    # without one stays exactly what a decoder older than the field takes.
+    skip = None if reading.joules_per_token is not None else {"joules_per_token"}
+    data = _READING.dump_json(reading, by_alias=True, exclude=skip).decode()
     return f"{reading.message()}\n{REPORT_PREFIX}{data}"
 
 

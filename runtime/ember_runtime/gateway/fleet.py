@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ember_runtime.gateway.policy import Policy, ReplicaView, is_throttled, order
+from ember_runtime.gateway.policy import Policy, ReplicaView, is_shedding, is_throttled, order
 from ember_runtime.gateway.routes import Backend, ModelRoute
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class Replica:
             throttled=is_throttled(self.reason, self.batch_limit, self.capacity),
             healthy=self.healthy,
             draining=self.draining,
+            shedding=is_shedding(self.reason),
         )
 
     def auth(self) -> dict[str, str]:

@@ -3,8 +3,10 @@
 1. Only replicas that answered their last probe and are not draining are candidates.
 2. load = max(active + queued as the replica last reported, requests the gateway has in flight
    there); headroom = batch limit − load. Tiers, best first: cool with headroom, throttled with
-   headroom, cool without, throttled without. A throttled replica is never preferred while a cool
-   one has room.
+   headroom, cool without, throttled without, and last the shedding ones (their runtime says
+   Critical: the batch is at its floor and the device still heats, the thermal ladder's second
+   step), whatever their headroom. A throttled replica is never preferred while a cool one has
+   room; a shedding one takes new work only when no other replica is live.
 3. Within the first non-empty tier, a prompt of at least `min_prefix` characters goes by
    consistent hashing with bounded loads: the hash of its first `prefix_chars` characters picks a
    point on a ring of virtual nodes; the first replica from there whose load is below
@@ -40,6 +42,7 @@ class ReplicaView:
     throttled: bool
     healthy: bool = True
     draining: bool = False
+    shedding: bool = False
 
     @property
     def load(self) -> int:
@@ -48,6 +51,11 @@ class ReplicaView:
     @property
     def headroom(self) -> int:
         return self.batch_limit - self.load
+
+
+def is_shedding(reason: str) -> bool:
+    """The runtime's thermal ladder asks for its new work to go to cooler peers."""
+    return reason == REASON_CRITICAL
 
 
 def is_throttled(reason: str, batch_limit: int, capacity: int) -> bool:
@@ -88,13 +96,15 @@ def ring_order(keys: Sequence[str], prefix: str) -> list[str]:
 
 def _tiers(replicas: Sequence[ReplicaView]) -> list[list[ReplicaView]]:
     live = [r for r in replicas if r.healthy and not r.draining]
-    room = [r for r in live if r.headroom > 0]
-    full = [r for r in live if r.headroom <= 0]
+    serving = [r for r in live if not r.shedding]
+    room = [r for r in serving if r.headroom > 0]
+    full = [r for r in serving if r.headroom <= 0]
     tiers = [
         [r for r in room if not r.throttled],
         [r for r in room if r.throttled],
         [r for r in full if not r.throttled],
         [r for r in full if r.throttled],
+        [r for r in live if r.shedding],
     ]
     return [t for t in tiers if t]
 

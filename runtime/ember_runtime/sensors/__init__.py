@@ -7,6 +7,8 @@ configured ones behind an EWMA; `sample_forever` reads any source
 on the event loop's behalf (the one sampling loop of the node side). A source
 that cannot work here (no driver, no tool, no sysfs) gives no reading; `problems_of(source)` says
 why, and the runtime reports it (reason `SensorUnavailable`) instead of failing.
+`sensors.power` reads what the device draws (RAPL, hwmon rails, NVML's and npu-smi's power) at
+the same samples, for joules per output token.
 """
 
 from ember_runtime.sensors.base import (

@@ -1,7 +1,8 @@
 """NVIDIA GPUs through NVML (`nvidia-ml-py`, imported as `pynvml` only when this source is used).
 
-Besides temperature, NVML says what a GPU draws and *why* it is slow: board power, the SM clock
-and the clock-event ("throttle") reasons. Those go to `details()`; `read()` returns temperatures
+Besides temperature, NVML says what a GPU draws and *why* it is slow: board power (and the
+total-energy counter, for joules per token: `sensors.power`), the SM clock and the clock-event
+("throttle") reasons. Those go to `details()`; `read()` returns temperatures
 only, like every other source, and keeps power and clock for `telemetry()` (the runtime's
 `/metrics`). Without the package, the driver or a GPU, construction raises
 `SensorUnavailableError` with the reason; so does `read()` once every GPU has fallen off the bus.
@@ -46,6 +47,7 @@ class GpuReading:
     sm_clock_mhz: int
     throttle_reasons: tuple[str, ...]
     power_watts: float | None = None  # None where the board has no power sensor (NotSupported)
+    energy_joules: float | None = None  # since the driver loaded (Volta and later), else None
 
 
 def decode_reasons(mask: int) -> tuple[str, ...]:
@@ -107,6 +109,15 @@ class NvmlReader:
         except self._nvml.NVMLError_NotSupported:
             return None
 
+    def _energy(self, handle: Any) -> float | None:
+        # Millijoules since the driver loaded: the exact joules-per-token source where the GPU
+        # has it (Volta+). Any NVML error (NotSupported, FunctionNotFound on an old driver) means
+        # no counter, never no temperature: the meter falls back to integrating the power.
+        try:
+            return int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(handle)) / 1000.0
+        except self._nvml.NVMLError:
+            return None
+
     def details(self) -> list[GpuReading]:
         """Every GPU that answers; `SensorUnavailableError` when none does."""
         out, errors = [], {}
@@ -117,11 +128,13 @@ class NvmlReader:
                 clock = int(self._nvml.nvmlDeviceGetClockInfo(handle, NVML_CLOCK_SM))
                 mask = self._reasons(handle)
                 power = self._power(handle)
+                energy = self._energy(handle)
             except self._nvml.NVMLError as exc:  # a GPU fell off the bus: report the others
                 errors[index] = str(exc)
                 continue
             text = name.decode() if isinstance(name, bytes) else str(name)
-            out.append(GpuReading(index, text, temp, clock, decode_reasons(mask), power))
+            reasons = decode_reasons(mask)
+            out.append(GpuReading(index, text, temp, clock, reasons, power, energy))
         if set(errors) != self._failing:  # log changes only: reads run several times a second
             for index in sorted(set(errors) - self._failing):
                 log.warning("gpu%d: NVML read failed: %s", index, errors[index])
@@ -146,5 +159,7 @@ class NvmlReader:
             values = {"sm_clock_mhz": float(r.sm_clock_mhz)}
             if r.power_watts is not None:
                 values["power_watts"] = r.power_watts
+            if r.energy_joules is not None:
+                values["energy_joules"] = r.energy_joules
             out[f"gpu{r.index}"] = values
         return out

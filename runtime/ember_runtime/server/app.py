@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -13,11 +14,12 @@ from fastapi import FastAPI
 
 from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.contract.rollout import HealthReport
-from ember_runtime.contract.thermal import ThermalReading
+from ember_runtime.contract.thermal import ThermalReading, report_joules
 from ember_runtime.engines.base import Engine, StepObserver
 from ember_runtime.kube import ConditionPatcher, Endpoint, pod_status_path
 from ember_runtime.prewarm.manifest import resolve_model_path
 from ember_runtime.sensors import TemperatureSource, build_source, telemetry_of
+from ember_runtime.sensors.power import MeteredSource, build_monitor
 from ember_runtime.server import admin, embeddings, errors, health, routes
 from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.middleware import BodyLimit, RequestCounter
@@ -137,15 +139,19 @@ def _pod_reporters(
 
 
 def _on_reading(
-    tracker: health.HealthTracker, thermal: ConditionReporter | None
+    tracker: health.HealthTracker,
+    thermal: ConditionReporter | None,
+    joules_per_token: Callable[[], float | None],
 ) -> Callable[[ThermalReading], None]:
     """Each governor decision: to the health tracker (is the batch held below capacity) and to
-    the thermal condition's reporter."""
+    the thermal condition's reporter, with the replica's joules per output token added (the
+    reporter decides whether that figure alone is worth a write)."""
 
     def on_reading(reading: ThermalReading) -> None:
         tracker.heat(reading.reduced)
         if thermal is not None:
-            thermal.offer(reading)
+            figure = report_joules(joules_per_token())
+            thermal.offer(dataclasses.replace(reading, joules_per_token=figure))
 
     return on_reading
 
@@ -172,14 +178,19 @@ def create_app(
         request_timeout=config.server.request_timeout_seconds,
         api_key=read_api_key(config),
     )
-    # Smoothed (EWMA: fast attack, slow release) and NVML / npu-smi when configured.
-    source = sensor or build_source(config.sensors)
+    # Smoothed (EWMA: fast attack, slow release) and NVML / npu-smi when configured; each read
+    # also samples energy (RAPL and hwmon under the same sysfs root, the accelerators' power).
+    energy = build_monitor(config.sensors.sysfs_root, metrics.output_tokens)
+    metrics.bind_energy(energy.snapshot)
+    source = MeteredSource(sensor or build_source(config.sensors), energy)
     report, health_report = _pod_reporters(config, reporter, health_reporter)
     tracker = health.HealthTracker(health_window_seconds)
     # The engine was built for engine.maxBatchSize; the governor gets the same typed value
     # (the policy applied to it), not the engine's answer about itself.
     state.governor = Governor(
-        config.limits(), chosen.set_max_batch_size, report=_on_reading(tracker, report)
+        config.limits(),
+        chosen.set_max_batch_size,
+        report=_on_reading(tracker, report, energy.joules_per_token),
     )
 
     def on_sample(temps: dict[str, float]) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ember_runtime.engines.base import EngineState, StepStats
+from ember_runtime.sensors.power import EnergySnapshot
 
 # Latency buckets from 5 ms (one batched decode step of a small model) to a minute.
 _LATENCY = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
@@ -63,11 +66,28 @@ class Metrics:
         # NVML's other readings (sensors.nvml): what the GPU draws and how fast it clocks, so a
         # throttled GPU is told apart from a busy one.
         self.gpu_power = Gauge(
-            "ember_gpu_power_watts", "Board power per GPU (NVML).", ["sensor"], registry=r
+            "ember_gpu_power_watts",
+            "Board power per GPU (NVML) or NPU (npu-smi).",
+            ["sensor"],
+            registry=r,
         )
         self.gpu_sm_clock = Gauge(
             "ember_gpu_sm_clock_mhz", "SM clock per GPU (NVML).", ["sensor"], registry=r
         )
+
+    def output_tokens(self) -> float:
+        """Completion tokens generated so far (what joules per token divides by)."""
+        return sum(
+            s.value
+            for m in self.generated_tokens.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        )
+
+    def bind_energy(self, snapshot: Callable[[], EnergySnapshot]) -> None:
+        """ember_energy_joules_total, ember_power_watts and ember_joules_per_output_token,
+        read from the energy monitor at scrape time (`sensors.power`)."""
+        self.registry.register(EnergyCollector(snapshot))
 
     def bind_engine(self, state: Callable[[], EngineState]) -> None:
         """Gauges read the engine at scrape time rather than being pushed every step."""
@@ -91,3 +111,36 @@ class Metrics:
                 gauge = gauges.get(quantity)
                 if gauge is not None:
                     gauge.labels(sensor=sensor).set(value)
+
+
+class EnergyCollector(Collector):
+    """The energy monitor's figures at scrape time. Joules per output token is absent (not 0)
+    while the window holds no tokens or no energy source reads."""
+
+    def __init__(self, snapshot: Callable[[], EnergySnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        joules = CounterMetricFamily(
+            "ember_energy_joules",
+            "Energy the replica's device used since start, by power source.",
+            labels=["source"],
+        )
+        watts = GaugeMetricFamily(
+            "ember_power_watts", "Power at the last sample, by power source.", labels=["source"]
+        )
+        for source, value in sorted(snap.joules.items()):
+            joules.add_metric([source], value)
+        for source, value in sorted(snap.watts.items()):
+            watts.add_metric([source], value)
+        yield joules
+        yield watts
+        if snap.joules_per_token is not None and snap.source is not None:
+            per_token = GaugeMetricFamily(
+                "ember_joules_per_output_token",
+                "Energy per completion token over the last minute, from one power source.",
+                labels=["source"],
+            )
+            per_token.add_metric([snap.source], snap.joules_per_token)
+            yield per_token

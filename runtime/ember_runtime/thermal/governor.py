@@ -52,6 +52,7 @@ class GovernorState:
     reason: ThermalReason
     override: Override | None
     sensor_problem: str | None = None  # why a configured sensor gives no reading
+    shedding: bool = False  # the ladder's second step: new work to cooler peers
 
     def reading(self) -> ThermalReading:
         return ThermalReading(
@@ -88,6 +89,7 @@ class Governor:
         self._temp: float | None = None
         self._sensor_problem: str | None = None
         self._override: Override | None = None
+        self._shedding = False
         set_batch(self._batch)  # the first limit: the engine and the governor agree from here
 
     @property
@@ -131,6 +133,10 @@ class Governor:
                 log.info("manual batch override %d expired", override.batch)
                 self._override = override = None
             self._policy_batch = self._limits.next_batch(temp, self._policy_batch)
+            shedding = self._limits.shedding(temp, self._shedding)
+            if shedding != self._shedding:
+                log.info("thermal: %s °C, shedding %s", _fmt(temp), "on" if shedding else "off")
+            self._shedding = shedding
             # An override sheds load; it never lifts the batch above what the policy allows at
             # this temperature (threat model: the thermal floor is not a client's to remove).
             wanted = self._policy_batch
@@ -151,7 +157,7 @@ class Governor:
             return self._state_locked()
 
     def _state_locked(self) -> GovernorState:
-        reason = self._limits.reason(self._temp, self._batch)
+        reason = self._limits.reason(self._temp, self._batch, self._shedding)
         if reason == REASON_NO_READING and self._sensor_problem:
             reason = REASON_SENSOR_UNAVAILABLE  # not just "no reading": a sensor is broken
         return GovernorState(
@@ -161,6 +167,7 @@ class Governor:
             reason=reason,
             override=self._override,
             sensor_problem=self._sensor_problem,
+            shedding=self._shedding,
         )
 
 

@@ -15,6 +15,13 @@ batch limit or of the sensor problem (why a sensor gives no reading), or a tempe
 rather than fixed edges, so a reading wobbling on an edge never writes twice; the operator uses
 it for TEMP, `/metrics` has the live value.
 
+Joules per output token rides along: every write carries the newest figure, but a change of it
+alone (two significant digits, `contract.thermal.report_joules`) is worth a write only when it
+moved `JOULES_BAND` (10 %) from the written figure, or appeared or went away, and the last write
+of any kind is `joules_interval` (60 s) old. So it costs at most one extra write per pod a
+minute, and none under a steady load (the figure stays within its band) or while other changes
+write anyway; the live value is on `/metrics`.
+
 Rate: at most one write per `min_interval` (2 s by default). A ramp of 1 °C/s with 2 °C steps
 changes the batch every 2 s at most, so coalescing loses no step of a real ramp; it bounds a
 pathological sensor to 0.5 writes/s per pod (500/s at 1,000 pods would still be too many, which is
@@ -38,6 +45,8 @@ from ember_runtime.contract.thermal import ThermalReading, thermal_condition
 log = logging.getLogger(__name__)
 
 MIN_INTERVAL_SECONDS = 2.0
+JOULES_INTERVAL_SECONDS = 60.0
+JOULES_BAND = 0.1  # relative to the written figure
 BACKOFF_INITIAL_SECONDS = 0.5
 BACKOFF_CAP_SECONDS = 4.0
 S = TypeVar("S")  # the state a condition is written from
@@ -62,6 +71,14 @@ def worth_reporting(last: ThermalReading | None, new: ThermalReading, band: floa
     if last.temperature_celsius is None or new.temperature_celsius is None:
         return False
     return abs(new.temperature_celsius - last.temperature_celsius) >= band
+
+
+def joules_moved(last: float | None, new: float | None, band: float = JOULES_BAND) -> bool:
+    """Whether a J/token figure moved enough from the written one to be worth a write by itself
+    (appearing and going away count)."""
+    if last is None or new is None:
+        return (last is None) != (new is None)
+    return new != last and abs(new - last) >= band * last
 
 
 def _now() -> str:
@@ -102,6 +119,10 @@ class CoalescingReporter(Generic[S]):
     @property
     def written(self) -> S | None:
         return self._written
+
+    def since_write(self) -> float:
+        """Seconds since the last write landed (infinite before the first)."""
+        return self._clock() - self._last_write
 
     @property
     def pending(self) -> S | None:
@@ -175,6 +196,7 @@ class ConditionReporter(CoalescingReporter[ThermalReading]):
         backoff_initial: float = BACKOFF_INITIAL_SECONDS,
         backoff_cap: float = BACKOFF_CAP_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        joules_interval: float = JOULES_INTERVAL_SECONDS,
     ) -> None:
         super().__init__(
             writer,
@@ -187,6 +209,13 @@ class ConditionReporter(CoalescingReporter[ThermalReading]):
             clock=clock,
         )
         self.band_celsius = band_celsius
+        self.joules_interval = joules_interval
 
     def _worth_reporting(self, last: ThermalReading | None, new: ThermalReading) -> bool:
-        return worth_reporting(last, new, self.band_celsius)
+        if worth_reporting(last, new, self.band_celsius):
+            return True
+        return (
+            last is not None
+            and self.since_write() >= self.joules_interval
+            and joules_moved(last.joules_per_token, new.joules_per_token)
+        )
