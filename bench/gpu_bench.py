@@ -219,7 +219,8 @@ def ember_server(model: Path, slots: int, work: Path, thermal: dict[str, Any] | 
         "server": {"maxQueue": 1024, "host": "127.0.0.1", "port": port},
         # NVML only: the VM's own thermal zones must not steer the GPU's batch.
         "sensors": {"nvml": True, "intervalSeconds": 0.25, "zoneTypes": ["none"]},
-        "thermal": thermal or {"maxBatchSize": slots, "minBatchSize": 1},
+        # The batch ceiling is engine.maxBatchSize alone (contract.thermal); the policy has none.
+        "thermal": thermal or {"minBatchSize": 1},
     }
     path = work / f"ember-{model.stem}-{'thermal' if thermal else 'bench'}.yaml"
     path.write_text(json.dumps(config))
@@ -408,7 +409,6 @@ def thermal_run(
     idle = nvml.read().celsius
     throttle = idle + margin
     policy = {
-        "maxBatchSize": slots,
         "minBatchSize": 4,
         "throttleCelsius": throttle,
         "criticalCelsius": throttle + 40,

@@ -5,6 +5,7 @@
 #
 #   GPU_DIR=.gpu OUT=/tmp/out bash .gpu/wt/bench/gpu_run.sh [TOTAL_SECONDS]
 #   GPU_DIR=.gpu OUT=/tmp/out BENCH=burst bash .gpu/wt/bench/gpu_run.sh   # gpu_burst.py instead
+#   GPU_DIR=.gpu OUT=/tmp/out BENCH=plant bash .gpu/wt/bench/gpu_run.sh   # gpu_plant.py instead
 #
 # GPU_DIR holds what the machine cannot download: `llama.cpp.tar.xz` (llama-cpp-python's
 # vendored llama.cpp, models/ docs/ tests/ and other backends removed), `llama_cpp_py.tgz`
@@ -70,6 +71,12 @@ echo "benchmark budget: $left s"
 if [ "${BENCH:-}" = burst ]; then  # first-wave TTFT only (bench/gpu_burst.py)
   python3 "$gpu/wt/bench/gpu_burst.py" --llama-server "$build/bin/llama-server" \
     --models "$tmp/models" --out "$out"
+  exit
+fi
+if [ "${BENCH:-}" = plant ]; then  # the card's power, temperature, J/token (bench/gpu_plant.py)
+  # shellcheck disable=SC2086  # PLANT_ARGS is a list of words
+  python3 "$gpu/wt/bench/gpu_plant.py" --models "$tmp/models" --out "$out" --deadline "$left" \
+    ${PLANT_ARGS:-}
   exit
 fi
 previous=()

@@ -58,7 +58,11 @@ def test_finished_requests_count_with_their_ttft(live: LiveServer) -> None:
         assert streamed.status_code == 200 and "[DONE]" in streamed.text
         n2 = http.post("/v1/completions", json={**COMPLETION, "n": 2})  # one request, 2 choices
         assert n2.status_code == 200
-    assert counts(live) == (before[0] + 3, before[1])
+    # The server counts a request once its response is sent, which may be just after the
+    # client has read it: wait for the count, and then it must be exactly this.
+    want = (before[0] + 3, before[1])
+    wait_for("three finished requests", lambda: counts(live)[0] >= want[0], timeout=5)
+    assert counts(live) == want
     report = tracker_of(live).report()
     assert report.ttft_p99_ms is not None and not report.throttled
     assert report.reason == "Serving"
