@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ from bench.gateway_overhead import start
 from bench.machine import steal_seconds
 from tests.support.net import free_port
 from tests.thermal.conftest import FakeThermalTree
-from tests.thermal.plant import PROFILES, CpuQuota, Plant, Profile, process_device
+from tests.thermal.plant import PROFILES, CpuQuota, Plant, PlantedRuntime, Profile
 from tests.thermal.runtime_proc import RuntimeProcess, start_runtime
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -110,75 +110,66 @@ class Outcome:
 
 @dataclass
 class Replica:
-    """One replica, its cgroup and plant; restarted on the same port after a trip."""
+    """One replica of the site: its runtime (restarted on its port after a trip) and plant."""
 
     index: int
-    work: Path
-    tree: FakeThermalTree
-    quota: CpuQuota
-    thermal: ThermalPolicy
-    args: argparse.Namespace
-    port: int = field(default_factory=free_port)
-    proc: RuntimeProcess | None = None
-    plant: Plant | None = None
-    restarts: int = 0
+    runtime: PlantedRuntime
+    plant: Plant
 
-    def start(self) -> None:
-        self.proc = start_runtime(
-            self.work,
-            self.tree.root,
-            max_batch=CAPACITY,
-            min_batch=self.thermal.min_batch_size,
-            context=self.args.context,
-            threads=1,
-            thermal=self.thermal,
-            interval=0.25,
-            port=self.port,
-            model=self.args.model,
-        )
-        self.quota.add(self.proc.proc.pid)
-
-    def pid(self) -> int | None:
-        proc = self.proc
-        return proc.proc.pid if proc is not None and proc.proc.poll() is None else None
-
-    def restart(self) -> None:
-        def again() -> None:
-            if self.proc is not None:
-                self.proc.proc.wait()
-            self.restarts += 1
-            self.start()
-
-        threading.Thread(target=again, daemon=True).start()
+    @property
+    def port(self) -> int:
+        return self.runtime.port
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.runtime.url
+
+    def stop(self) -> None:
+        self.plant.stop()
+        self.runtime.stop()
+        self.runtime.quota.close()
 
 
 def start_site(arm: str, args: argparse.Namespace, work: Path) -> list[Replica]:
     profile = PROFILES[args.profile]
+    thermal = policy(arm, profile)
     replicas = []
     for i in range(3):
         (work / f"r{i}").mkdir(parents=True)
-        quota = CpuQuota(f"r{i}", args.cpus)
         tree = FakeThermalTree(work / f"sys{i}")
         tree.zone(0, "cpu-thermal", args.ambient)
-        replica = Replica(i, work / f"r{i}", tree, quota, policy(arm, profile), args)
-        replica.start()
-        device = process_device(replica.pid, quota)
-        device.on_reset = replica.restart
+        runtime = PlantedRuntime(
+            CpuQuota(f"r{i}", args.cpus), boot(work / f"r{i}", tree, thermal, args)
+        )
         enclosure = args.enclosure if i == 0 else 0.0
-        replica.plant = Plant(
+        plant = Plant(
             profile,
-            device,
+            runtime.device(),
             tree,
             speed=args.speed,
             period=0.25,
             ambient=ambient(args.ambient, enclosure),
         )
-        replicas.append(replica)
+        replicas.append(Replica(i, runtime, plant))
     return replicas
+
+
+def boot(
+    work: Path, tree: FakeThermalTree, thermal: ThermalPolicy, args: argparse.Namespace
+) -> Callable[[int], RuntimeProcess]:
+    """How a replica starts, on a given port: the real engine, 1 thread, the arm's policy."""
+    return lambda port: start_runtime(
+        work,
+        tree.root,
+        max_batch=CAPACITY,
+        min_batch=thermal.min_batch_size,
+        context=args.context,
+        threads=1,
+        thermal=thermal,
+        interval=0.25,
+        port=port,
+        model=args.model,
+    )
 
 
 async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
@@ -308,7 +299,6 @@ def run_arm(
     try:
         t0 = time.perf_counter()
         for r in replicas:
-            assert r.plant is not None
             r.plant.start()
         watcher = threading.Thread(
             target=lambda: seen.extend(watch(replicas, t0, args.speed, stop)), daemon=True
@@ -324,11 +314,7 @@ def run_arm(
         gateway.terminate()
         gateway.wait(30)
         for r in replicas:
-            if r.plant is not None:
-                r.plant.stop()
-            if r.proc is not None:
-                r.proc.stop()
-            r.quota.close()
+            r.stop()
     return summarise(arm, replicas, outcomes, seen, args)
 
 
@@ -377,14 +363,13 @@ def summarise(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     plant = replicas[0].plant
-    assert plant is not None
     profile = plant.profile
     log = [entry for entry in plant.log if entry[0] < END]  # the load's span, not the drain
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(log)]
     above = sum(dt for dt, e in zip(gaps, log, strict=False) if e[1] >= profile.throttle_celsius)
     hot_tokens = sum(o.tokens for o in outcomes if o.replica == 0 and not o.error)
     all_tokens = sum(o.tokens for o in outcomes if not o.error)
-    joules = [r.plant.state.joules for r in replicas if r.plant is not None]
+    joules = [r.plant.state.joules for r in replicas]
     return {
         "arm": arm,
         "phases": {ph[0]: phase_figures(outcomes, ph, args) for ph in PHASES},
@@ -625,9 +610,7 @@ def main() -> None:
             measured = capacity(site, 20.0, args)
         finally:
             for r in site:
-                if r.proc is not None:
-                    r.proc.stop()
-                r.quota.close()
+                r.stop()
         rate = args.load_fraction * measured
     print(f"capacity {measured} req/s, offering {rate:.2f}/s", flush=True)
     runs: list[dict[str, Any]] = []

@@ -40,11 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.gateway_overhead import cpu_seconds
+from tests.support.net import free_port
 from tests.thermal.conftest import FakeThermalTree
+from tests.thermal.runtime_proc import RuntimeProcess
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,6 @@ class PlantState:
     trips: int = 0
     throttled_seconds: float = 0.0  # emulated
     emulated: float = 0.0
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc/<pid>/stat."""
-    raw = Path(f"/proc/{pid}/stat").read_text()
-    fields = raw[raw.rindex(")") + 2 :].split()  # the command may hold spaces and ')'
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 class CpuQuota:
@@ -196,7 +191,8 @@ class Plant:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # a plant never started has nothing to join
+            self._thread.join(timeout=5)
 
     def _utilisation(self, last: float | None, dt_real: float) -> tuple[float, float | None]:
         try:
@@ -252,6 +248,42 @@ class Plant:
         tmp = energy / "energy_uj.tmp"
         tmp.write_text(f"{int(self.state.joules * 1e6) % 2**40}\n")
         tmp.replace(energy / "energy_uj")
+
+
+class PlantedRuntime:
+    """A runtime process on a plant's device: in the device's CPU quota, SIGKILLed by its trip,
+    and started again on the same port once the device has reset, as after a real thermal
+    shutdown. `start(port)` starts one process (the caller's `start_runtime` arguments)."""
+
+    def __init__(self, quota: CpuQuota, start: Callable[[int], RuntimeProcess]) -> None:
+        self.quota, self._start = quota, start
+        self.port = free_port()
+        self.procs: list[RuntimeProcess] = []
+        self.boot()
+
+    def boot(self) -> None:
+        if self.procs:
+            self.procs[-1].proc.wait()  # the tripped one, reaped before its port is taken
+        proc = self._start(self.port)
+        self.quota.add(proc.proc.pid)
+        self.procs.append(proc)
+
+    def pid(self) -> int | None:
+        proc = self.procs[-1].proc
+        return proc.pid if proc.poll() is None else None
+
+    def device(self) -> Device:
+        device = process_device(self.pid, self.quota)
+        device.on_reset = lambda: threading.Thread(target=self.boot, daemon=True).start()
+        return device
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()
 
 
 def process_device(pid: Callable[[], int | None], quota: CpuQuota) -> Device:

@@ -20,8 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -32,8 +31,8 @@ from ember_runtime.contract.thermal import ThermalPolicy
 from bench.gateway_overhead import start
 from tests.support.net import free_port
 from tests.thermal.conftest import FakeThermalTree
-from tests.thermal.plant import CGROUP_CPU, CpuQuota, Plant, Profile, process_device
-from tests.thermal.runtime_proc import RuntimeProcess, start_runtime
+from tests.thermal.plant import CGROUP_CPU, CpuQuota, Plant, PlantedRuntime, Profile
+from tests.thermal.runtime_proc import start_runtime
 
 pytestmark = pytest.mark.skipif(
     not (CGROUP_CPU / "cgroup.procs").exists(), reason="needs cgroup v1 cpu (root)"
@@ -48,56 +47,42 @@ EMULATED = 800.0  # seconds: past the static arm's trip (about 420 s) with room 
 POLICY = ThermalPolicy(min_batch_size=2, throttle_celsius=85, critical_celsius=100)
 
 
-class Box:
-    """One replica on its plant; started again on the same port when its device resets."""
+def box(
+    work: Path, tree: FakeThermalTree, policy: ThermalPolicy, quota: CpuQuota
+) -> PlantedRuntime:
+    """One replica on its device, reading the device's sensor tree."""
+    return PlantedRuntime(
+        quota,
+        lambda port: start_runtime(
+            work, tree.root, max_batch=8, min_batch=2, interval=0.25, thermal=policy, port=port
+        ),
+    )
 
-    def __init__(self, work: Path, air: float, policy: ThermalPolicy, quota: CpuQuota) -> None:
-        work.mkdir()
-        self.work, self.policy, self.quota, self.port = work, policy, quota, free_port()
-        self.tree = FakeThermalTree(work / "sys")
-        self.tree.zone(0, "npu-thermal", air)
-        self.procs: list[RuntimeProcess] = []
-        self.boot()
-        device = process_device(self.pid, quota)
-        device.on_reset = lambda: threading.Thread(target=self.boot, daemon=True).start()
-        self.plant = Plant(NPU, device, self.tree, speed=SPEED, ambient=lambda _t: air)
 
-    def boot(self) -> None:
-        proc = start_runtime(
-            self.work,
-            self.tree.root,
-            max_batch=8,
-            min_batch=2,
-            interval=0.25,
-            thermal=self.policy,
-            port=self.port,
-        )
-        self.quota.add(proc.proc.pid)
-        self.procs.append(proc)
-
-    def pid(self) -> int | None:
-        proc = self.procs[-1].proc
-        return proc.pid if proc.poll() is None else None
-
-    def stop(self) -> None:
-        self.plant.stop()
-        for proc in self.procs:
-            proc.stop()
+def constant(air: float) -> Callable[[float], float]:
+    return lambda _emulated: air
 
 
 @contextmanager
 def site(tmp_path: Path, adaptive: bool) -> Iterator[tuple[list[Plant], str]]:
     policy = POLICY.model_copy(update={"adaptive": adaptive})
     with ExitStack() as stack:
-        boxes = []
+        runtimes, plants = [], []
         for i, air in enumerate((50.0, 25.0)):
             quota = CpuQuota(f"site-test-{i}", 0.5)
             stack.callback(quota.close)
-            box = Box(tmp_path / f"r{i}", air, policy, quota)
-            stack.callback(box.stop)
-            boxes.append(box)
+            work = tmp_path / f"r{i}"
+            work.mkdir()
+            tree = FakeThermalTree(work / "sys")
+            tree.zone(0, "npu-thermal", air)
+            runtime = box(work, tree, policy, quota)
+            stack.callback(runtime.stop)
+            plant = Plant(NPU, runtime.device(), tree, speed=SPEED, ambient=constant(air))
+            stack.callback(plant.stop)
+            runtimes.append(runtime)
+            plants.append(plant)
         routes = tmp_path / "routes.json"
-        replicas = [f"http://127.0.0.1:{b.port}" for b in boxes]
+        replicas = [r.url for r in runtimes]
         routes.write_text(json.dumps({"models": [{"name": MODEL, "replicas": replicas}]}))
         port = free_port()
         argv = [sys.executable, "-m", "ember_runtime.gateway", "--static", str(routes)]
@@ -105,9 +90,9 @@ def site(tmp_path: Path, adaptive: bool) -> Iterator[tuple[list[Plant], str]]:
         gateway = start(argv, f"http://127.0.0.1:{port}/readyz", tmp_path / "gateway.log")
         stack.callback(gateway.wait, 30)
         stack.callback(gateway.terminate)
-        for box in boxes:
-            box.plant.start()
-        yield [b.plant for b in boxes], f"http://127.0.0.1:{port}"
+        for plant in plants:
+            plant.start()
+        yield plants, f"http://127.0.0.1:{port}"
 
 
 async def load(url: str, seconds: float) -> int:

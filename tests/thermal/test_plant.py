@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from ember_runtime.sensors.thermal_zone import ThermalZoneReader
 
+from bench.gateway_overhead import cpu_seconds
 from tests.thermal.conftest import FakeThermalTree
 from tests.thermal.plant import (
     PROFILES,
@@ -17,7 +18,6 @@ from tests.thermal.plant import (
     Plant,
     PlantState,
     Profile,
-    cpu_seconds,
     step,
 )
 
