@@ -103,7 +103,7 @@ llama-server: install ## build llama.cpp's own server (the runtime's peer in tes
 	$(PY) images/llama_build.py
 
 test: install cluster-build llama-server lint crds-check docker ## the whole suite CI runs
-	$(VENV)/bin/pytest -p no:cacheprovider -ra
+	$(VENV)/bin/pytest -p no:cacheprovider -ra --durations=25
 
 test-unit: install ## tests that need no cluster
 	$(VENV)/bin/pytest -p no:cacheprovider -ra -m "not cluster and not node"

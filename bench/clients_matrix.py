@@ -1,27 +1,39 @@
-"""The real-client matrix (tests/conformance/cases.py) against Ember's runtime and against
-llama.cpp's `llama-server --jinja`, on the same GGUF (Gemma 3 270M Q4_K_M): which everyday calls
-of the `openai` package, LangChain and LiteLLM each server answers.
+"""The real-client matrix against Ember's runtime and against llama.cpp's `llama-server`, on the
+same GGUF (Gemma 3 270M Q4_K_M, a base model without a chat template of its own): the 36
+everyday calls of the `openai` package, LangChain and LiteLLM in tests/conformance/cases.py, run
+on each server in turn (one server up at a time), and each call's outcome tabulated.
 
-Ember runs as tests/conformance runs it (in-process, the real engine: capacity 4, 512 tokens
-per sequence, 1 thread); llama-server with the same shape (`-np 4 -c 2048 -t 1`) and `--jinja`
-(the model's own chat template, which its tool calls need). Embedding cases go to a second
-instance of each serving the same GGUF as an embedding model: Ember with `task: embed` and mean
-pooling, llama-server with `--embeddings --pooling mean`. One server runs at a time.
+Both servers render the same prompt, so the two differ only in their servers. Ember renders
+llama.cpp's built-in `gemma` template (its fallback for a Gemma GGUF without one); llama-server,
+whose own fallback is ChatML, is given that template as Jinja (`--jinja --chat-template-file
+bench/templates/gemma.jinja`; --jinja because its tool calls need it). tests/conformance/
+test_template.py checks that llama-server, started as here, renders Ember's prompt token for
+token. Same shape: Ember in-process as tests/conformance runs it (the real engine, capacity 4,
+512 tokens per sequence, 1 thread); llama-server `-np 4 -c 2048 -t 1 -tb 1`. Embedding calls go
+to a second instance of each serving the GGUF as an embedding model: Ember `task: embed` with
+mean pooling, llama-server `--embeddings --pooling mean`.
 
-An outcome is `ok`, `length` (a schema-less JSON reply cut by max_tokens: the base model's
-doing, judged the same on both) or `fail` with the client's error text. Ember should pass every
-call llama-server passes, and refuse only with a 400 that names the field.
+Outcomes: `ok`, the only pass; `length`, a schema-less JSON reply cut at max_tokens
+(finish_reason "length"), named apart; `fail` with the client's error text. Failures of calls
+that name their function with an object `tool_choice`, which llama-server does not read, are
+counted apart from the other failures.
 
-    flock /tmp/ember-bench.lock .venv/bin/python -m bench.clients_matrix   # takes the lock itself
+Run it alone, under the lock the machine's benchmarks share (it takes no lock itself). About 5
+minutes on this project's 2-core box:
 
-Writes `bench/results/clients.{md,json}`.
+    flock /tmp/ember-cpu.lock .venv/bin/python -m bench.clients_matrix [--out STEM]
+
+Writes `bench/results/clients.{md,json}` (STEM.md and STEM.json with --out): what each server ran
+with (template, flags), the clients' versions, the load average, the table, the counts, and
+llama-server's own account (its template's capabilities from GET /props, its warnings).
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
+import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -32,12 +44,12 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ember_runtime.models import default_model_path
 from ember_runtime.server.app import create_app
 
 from bench.runtime_bench import Server
@@ -46,15 +58,18 @@ from images.llama_build import ensure_llama_server
 from tests.conformance.cases import CASES, Case, LengthLimit
 from tests.conformance.conftest import embed_config
 from tests.runtime.conftest import CAPACITY, CONTEXT, make_config, start_live
+from tests.support.model import default_model_path
 from tests.support.net import free_port
 
-RESULTS = Path(__file__).resolve().parent / "results"
-LOCK = "/tmp/ember-bench.lock"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+GEMMA_TEMPLATE = ROOT / "bench" / "templates" / "gemma.jinja"
 SERVERS = ("ember", "llama-server")
 RANK = {"ok": 2, "length": 1, "fail": 0}
 DETAIL_CHARS = 220  # of an error's text in the table (the JSON keeps 2,000)
+CLIENTS = ("openai", "langchain-openai", "langchain-core", "litellm")
 
-Endpoint = tuple[str, str]  # (server root URL, model name) or a reason it could not start
+Endpoint = tuple[str, str]  # (server root URL, model name)
 
 
 @dataclass
@@ -93,6 +108,8 @@ def ember(embed: bool) -> Iterator[Endpoint]:
 
 LLAMA_FLAGS = [
     "--jinja",
+    "--chat-template-file",
+    str(GEMMA_TEMPLATE),
     "-t",
     "1",
     "-tb",
@@ -113,12 +130,13 @@ def llama_server_argv(port: int, embed: bool) -> list[str]:
 
 @contextmanager
 def llama_server(embed: bool, log_dir: Path) -> Iterator[Endpoint]:
+    """llama-server as the matrix runs it; its GET /props is kept in log_dir for the notes."""
     port = free_port()
     name = "llama-server-embed" if embed else "llama-server"
     server = Server(name, llama_server_argv(port, embed), port, health="/health")
     server.start(log_dir)
     try:
-        props = httpx.get(server.base + "/props", timeout=30).text  # its chat template, for notes
+        props = httpx.get(server.base + "/props", timeout=30).text
         (log_dir / f"{name}.props.json").write_text(props)
         yield server.base, model_id(server.base)
     finally:
@@ -159,32 +177,66 @@ def behind(results: dict[str, dict[str, Outcome]]) -> list[str]:
     ]
 
 
-def table(results: dict[str, dict[str, Outcome]], header: list[str]) -> str:
-    lines = [*header, "", "| call | Ember | llama-server |", "|---|---|---|"]
+def verdicts(outcomes: dict[str, Outcome]) -> dict[str, list[str]]:
+    """One server's calls by verdict: passed, cut at max_tokens, failed with an object
+    tool_choice, failed otherwise."""
+    groups: dict[str, list[str]] = {"ok": [], "length": [], "fail_tool_choice": [], "fail": []}
     for case in CASES:
-        cells = " | ".join(_cell(results[server][case.id]) for server in SERVERS)
-        lines.append(f"| {case.id} | {cells} |")
-    lines.append("")
+        kind = outcomes[case.id].outcome
+        if kind == "fail" and case.tool_choice_object:
+            kind = "fail_tool_choice"
+        groups[kind].append(case.id)
+    return groups
+
+
+def _listed(ids: list[str]) -> str:
+    return f" ({'; '.join(ids)})" if ids else ""
+
+
+def summary(results: dict[str, dict[str, Outcome]]) -> list[str]:
+    lines = []
     for server in SERVERS:
-        counts = {k: sum(r.outcome == k for r in results[server].values()) for k in RANK}
+        v = verdicts(results[server])
         lines.append(
-            f"- {server}: {counts['ok']} ok, {counts['length']} length, {counts['fail']} fail "
-            f"of {len(CASES)}"
+            f"- {server}: {len(v['ok'])} of {len(CASES)} pass; "
+            f"cut at max_tokens {len(v['length'])}{_listed(v['length'])}; "
+            f"failed with an object tool_choice {len(v['fail_tool_choice'])}"
+            f"{_listed(v['fail_tool_choice'])}; other failures {len(v['fail'])}{_listed(v['fail'])}"
         )
     lag = behind(results)
+    lines.append(f"- Ember behind llama-server on {len(lag)} call(s){_listed(lag)}")
+    return lines
+
+
+def table(results: dict[str, dict[str, Outcome]]) -> list[str]:
+    lines = ["| call | Ember | llama-server |", "|---|---|---|"]
+    for case in CASES:
+        cells = " | ".join(_cell(results[server][case.id]) for server in SERVERS)
+        mark = " ¹" if case.tool_choice_object else ""
+        lines.append(f"| {case.id}{mark} | {cells} |")
+    lines.append("")
     lines.append(
-        f"- Ember behind llama-server on {len(lag)} call(s){': ' + ', '.join(lag) if lag else ''}"
+        "¹ names its function with an object `tool_choice` "
+        '(`{"type": "function", "function": {"name": ...}}`; LangChain sends one for '
+        '`bind_tools(tool_choice=name)` and `with_structured_output(method="function_calling")`).'
     )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def llama_server_notes(log_dir: Path) -> list[str]:
-    """What llama-server said about this run: its chat template and its distinct warnings."""
-    notes = ["", "llama-server's own account of the run:", ""]
+    """What llama-server said about this run: its template as it loaded it, the template's
+    capabilities as it detected them, and its distinct warnings."""
+    notes = ["llama-server's own account of the run:", ""]
     props = log_dir / "llama-server.props.json"
     if props.exists():
-        template = str(json.loads(props.read_text()).get("chat_template", ""))
-        notes.append(f"- chat template (GET /props): `{' '.join(template.split())[:120]}`")
+        data: dict[str, Any] = json.loads(props.read_text())
+        # llama-server keeps the file's text less its trailing newline.
+        same = str(data.get("chat_template", "")).strip() == GEMMA_TEMPLATE.read_text().strip()
+        notes.append(
+            f"- chat template (GET /props): {'is' if same else 'is NOT'} "
+            f"{GEMMA_TEMPLATE.relative_to(ROOT)}; capabilities: "
+            f"`{json.dumps(data.get('chat_template_caps'), sort_keys=True)}`"
+        )
     warnings: set[str] = set()
     for log in sorted(log_dir.glob("*.log")):
         for line in log.read_text(errors="replace").splitlines():
@@ -195,28 +247,39 @@ def llama_server_notes(log_dir: Path) -> list[str]:
     return notes
 
 
-def describe() -> list[str]:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=RESULTS.parent,
-    ).stdout.strip()
-    clients = ", ".join(
-        f"{p} {version(p)}" for p in ("openai", "langchain-openai", "langchain-core", "litellm")
-    )
+def _commit() -> str:
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], capture_output=True, text=True, check=False, cwd=ROOT)
+        return run.stdout.strip()
+
+    dirty = " + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return git("rev-parse", "--short", "HEAD") + dirty
+
+
+def _loadavg(load: tuple[float, float, float]) -> str:
+    return " ".join(f"{x:.2f}" for x in load)
+
+
+def describe(load_before: tuple[float, float, float], wall_s: float) -> list[str]:
+    clients = ", ".join(f"{p} {version(p)}" for p in CLIENTS)
+    flags = shlex.join(a.replace(str(ROOT) + "/", "") for a in LLAMA_FLAGS)
     return [
-        "# Real clients against Ember and llama-server (issue 36)",
+        "# Real clients against Ember and llama-server (issues 36, 46)",
         "",
-        f"Model: {default_model_path().name}; Ember at commit {commit}, capacity {CAPACITY}, "
-        f"{CONTEXT} tokens per sequence; llama-server from llama-cpp-python {LLAMA_CPP_VERSION}'s "
-        f"llama.cpp: `llama-server -m <gguf> {' '.join(LLAMA_FLAGS)}`; "
-        "embedding cases on a second instance of each (Ember `task: embed`, mean pooling; "
-        f"llama-server `{' '.join(EMBED_FLAGS)}`).",
-        f"Clients: {clients}. Written by `bench/clients_matrix.py`; cases in "
-        "`tests/conformance/cases.py`. `length`: a schema-less JSON reply cut at max_tokens "
-        "(base model), judged alike on both.",
+        f"- Model: {default_model_path().name} (base; the GGUF has no chat template). "
+        "Both servers render the same prompt (tests/conformance/test_template.py checks it).",
+        f"- Ember at commit {_commit()}: in-process, the llama.cpp engine, llama.cpp's built-in "
+        f"`gemma` chat template; capacity {CAPACITY}, {CONTEXT} tokens per sequence, 1 thread.",
+        f"- llama-server from llama-cpp-python {LLAMA_CPP_VERSION}'s llama.cpp (same commit and "
+        f"build flags as Ember's bindings): `llama-server -m <gguf> {flags}`.",
+        "- Embedding calls: a second instance of each (Ember `task: embed`, mean pooling; "
+        f"llama-server `{shlex.join(EMBED_FLAGS)}`).",
+        f"- Clients: {clients}.",
+        f"- Load average (1, 5, 15 min) at start {_loadavg(load_before)}, at end "
+        f"{_loadavg(os.getloadavg())} (2 CPUs); the run took {wall_s:.0f} s.",
+        "- Written by `flock /tmp/ember-cpu.lock .venv/bin/python -m bench.clients_matrix`; "
+        "calls in `tests/conformance/cases.py`. Verdicts: `ok` is the only pass; `length` is a "
+        "schema-less JSON reply cut at max_tokens.",
     ]
 
 
@@ -224,26 +287,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "clients"), help="path stem of .md/.json")
     args = parser.parse_args()
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # benches serialise on the machine's one lock
-        log_dir = Path(tempfile.mkdtemp(prefix="clients-matrix-"))
-        print(f"llama-server logs: {log_dir}", file=sys.stderr)
-        results = {
-            "ember": run_matrix("ember", ember),
-            "llama-server": run_matrix("llama-server", lambda e: llama_server(e, log_dir)),
-        }
+    load_before, started = os.getloadavg(), time.monotonic()
+    log_dir = Path(tempfile.mkdtemp(prefix="clients-matrix-"))
+    print(f"llama-server logs: {log_dir}", file=sys.stderr)
+    results = {
+        "ember": run_matrix("ember", ember),
+        "llama-server": run_matrix("llama-server", lambda e: llama_server(e, log_dir)),
+    }
+    header = describe(load_before, time.monotonic() - started)
+    lines, notes = summary(results), llama_server_notes(log_dir)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    header = describe()
-    notes = llama_server_notes(log_dir)
-    out.with_suffix(".md").write_text(table(results, header) + "\n".join(notes) + "\n")
+    md = [*header, "", *table(results), "", *lines, "", *notes]
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
     data = {
         "header": header,
-        "cases": [{"id": c.id, **{s: asdict(results[s][c.id]) for s in SERVERS}} for c in CASES],
+        "cases": [
+            {
+                "id": c.id,
+                "tool_choice_object": c.tool_choice_object,
+                **{s: asdict(results[s][c.id]) for s in SERVERS},
+            }
+            for c in CASES
+        ],
+        "verdicts": {s: verdicts(results[s]) for s in SERVERS},
         "behind": behind(results),
+        "summary": lines,
         "llama_server_notes": notes,
     }
-    out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     print(out.with_suffix(".md").read_text())
 
 

@@ -49,6 +49,7 @@ from tests.deviceplugin.harness import (  # noqa: E402
     plugin_argv,
     short_tempdir,
 )
+from tests.support.waiting import wait_async  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SOCKET = "ember-npu.sock"
@@ -127,11 +128,13 @@ class Target:
             except TimeoutError:
                 raise RuntimeError(f"{self.name} did not register:\n{log.read_text()}") from None
             return
-        deadline = time.monotonic() + 30
-        while not sock.is_socket() or self._stale(sock):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not come up")
-            await asyncio.sleep(0.05)
+        await wait_async(
+            f"{self.name}'s new socket",
+            lambda: sock.is_socket() and not self._stale(sock),
+            30,
+            0.05,
+            on_fail=log.read_text,
+        )
 
     def _stale(self, sock: Path) -> bool:
         return sock.stat().st_mtime < self._started_at

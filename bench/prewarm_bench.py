@@ -320,9 +320,8 @@ def plot(models: dict[str, dict[str, float]], path: Path) -> None:
 def big_model(work: Path, shape: str) -> Model:
     """A random-weight GGUF in a real architecture's shapes (bench/gpu_models.py), cached."""
     sys.path.insert(0, str(ROOT))
-    from ember_runtime.models import sha256_file
-
     from bench.gpu_models import write_model
+    from tests.support.model import sha256_file
 
     path = write_model(shape, work)
     return Model(path, sha256_file(path), path.stat().st_size)
@@ -342,7 +341,7 @@ def main() -> None:
         sys.exit("needs root: drop_caches, losetup, mount and blkio cgroups")
     args.work.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    from ember_runtime.models import default_model_path, sha256_file
+    from tests.support.model import default_model_path, sha256_file
 
     path = default_model_path()
     models = {

@@ -46,14 +46,13 @@ from typing import Any, ClassVar
 from ember_operator.api.models import parse_spec
 from ember_runtime.contract.cache import cache_label
 from ember_runtime.contract.config import (
-    EngineSettings,
+    EngineConfig,
     RuntimeConfig,
-    SensorSettings,
-    ServerSettings,
+    SensorConfig,
+    ServerConfig,
     fetch_from_spec,
 )
 from ember_runtime.contract.rollout import parse_health_condition
-from ember_runtime.models import default_model_path
 from kubernetes import config as kube_config
 from kubernetes.client.exceptions import ApiException
 
@@ -67,7 +66,9 @@ from tests.cluster.procs import ProcessTable
 from tests.conftest import Kube
 from tests.drills import rollout_support as rs
 from tests.operator import rest
+from tests.support.model import default_model_path
 from tests.support.net import free_port
+from tests.support.waiting import wait_for
 from tests.thermal.kube_support import runtime_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,34 +130,36 @@ TITLES = {
 
 
 @dataclass(frozen=True)
-class ModelFile:
+class VersionFile:
+    """One version's GGUF as the bench's origin serves it: a file here, its digest and size."""
+
     path: Path
     sha256: str
     size: int
 
 
-def _write(path: Path, chunks: Callable[[], list[bytes]]) -> ModelFile:
+def _write(path: Path, chunks: Callable[[], list[bytes]]) -> VersionFile:
     digest, size = hashlib.sha256(), 0
     with path.open("wb") as out:
         for chunk in chunks():
             out.write(chunk)
             digest.update(chunk)
             size += len(chunk)
-    return ModelFile(path, digest.hexdigest(), size)
+    return VersionFile(path, digest.hexdigest(), size)
 
 
-def model_files(work: Path) -> dict[str, ModelFile]:
+def model_files(work: Path) -> dict[str, VersionFile]:
     """v1: the packaged Gemma GGUF; v2: the same and 4 KiB of padding (llama.cpp reads
     tensors by offset, so it loads the same); bad: its first 32 MiB (an upload cut short)."""
     gemma = default_model_path()
     data = gemma.read_bytes()
-    v1 = ModelFile(gemma, hashlib.sha256(data).hexdigest(), len(data))
+    v1 = VersionFile(gemma, hashlib.sha256(data).hexdigest(), len(data))
     v2 = _write(work / "v2.gguf", lambda: [data, b"\0" * PAD_BYTES])
     bad = _write(work / "bad.gguf", lambda: [data[:BAD_BYTES]])
     return {"v1": v1, "v2": v2, "bad": bad}
 
 
-def model_spec(origin: str, which: str, f: ModelFile) -> dict[str, Any]:
+def model_spec(origin: str, which: str, f: VersionFile) -> dict[str, Any]:
     return {
         "name": MODEL_NAME,
         "format": "gguf",
@@ -173,7 +176,7 @@ def fetch_hash(spec: dict[str, Any]) -> str:
     return fetch.digest()
 
 
-def relay_message(bad: ModelFile, work: Path) -> tuple[int, str]:
+def relay_message(bad: VersionFile, work: Path) -> tuple[int, str]:
     """The real runtime on the truncated file, once: its exit code and what the kubelet would
     report (`rs.termination_message`). kwok replicas of that version report the same."""
     work.mkdir(parents=True, exist_ok=True)
@@ -183,9 +186,9 @@ def relay_message(bad: ModelFile, work: Path) -> tuple[int, str]:
     cfg = RuntimeConfig(
         model_name=MODEL_NAME,
         model_dir=str(work),
-        engine=EngineSettings(threads=2),
-        server=ServerSettings(host="127.0.0.1", port=free_port()),
-        sensors=SensorSettings(sysfs_root=str(work / "sys"), report_condition=False),
+        engine=EngineConfig(threads=2),
+        server=ServerConfig(host="127.0.0.1", port=free_port()),
+        sensors=SensorConfig(sysfs_root=str(work / "sys"), report_condition=False),
         termination_log=str(work / "termination-log"),
     )
     (work / "config.yaml").write_text(cfg.to_yaml())
@@ -209,7 +212,7 @@ class Plan:
     bake: int
     outage_s: float
     origin: str = ""
-    files: dict[str, ModelFile] = field(default_factory=dict)
+    files: dict[str, VersionFile] = field(default_factory=dict)
 
     @property
     def ring(self) -> list[str]:
@@ -311,7 +314,7 @@ class World:
         """A fresh namespace (an earlier run's, still going away, first gone); deleted at the
         end, after its InferenceDeployments (while the operator can still finalize them)."""
         api, path = self.kube.api, f"/api/v1/namespaces/{NS}"
-        _wait("the last run's namespace gone", lambda: not _exists(api, path), 300, 2)
+        wait_for("the last run's namespace gone", lambda: not _exists(api, path), 300, 2)
         body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
         rest.request(api, "POST", "/api/v1/namespaces", body=body)
         self.closers.append(lambda: rest.request(api, "DELETE", path))
@@ -338,7 +341,7 @@ class World:
         rs.create_nodes(api, bodies)
         self.closers.append(lambda: rs.delete_nodes(api))
         names = [b["metadata"]["name"] for b in bodies]
-        _wait("the sites' nodes Ready", lambda: rs.nodes_ready(api, names), 300)
+        wait_for("the sites' nodes Ready", lambda: rs.nodes_ready(api, names), 300, 1)
 
     def _origin(self) -> None:
         """The origin (its URL is in every spec, and in the fetch hash kwok is told of)."""
@@ -367,7 +370,7 @@ class World:
             self.facts["agent_cpu_shares"] = (
                 self.agents.demote(self.args.agent_shares) and self.args.agent_shares
             )
-        _wait("v1 on every site", lambda: _staged(self, plan.files["v1"].sha256), 1800, 5)
+        wait_for("v1 on every site", lambda: _staged(self, plan.files["v1"].sha256), 1800, 5)
         self.facts["agents"] = {
             "real_processes": len(self.agents.pids()),
             "real_sites": len(real),
@@ -386,7 +389,7 @@ class World:
         api = self.kube.api
         for obj in rest.items(api, "infd", NS):
             rest.delete(api, "infd", NS, obj["metadata"]["name"])
-        _wait("the objects gone", lambda: not rest.items(api, "infd", NS), 120, 2)
+        wait_for("the objects gone", lambda: not rest.items(api, "infd", NS), 120, 2)
 
     def _kubelet(self, relay: str) -> None:
         cfg = rs.KubeletConfig(
@@ -441,17 +444,6 @@ def _exists(api: Any, path: str) -> bool:
             return False
         raise
     return True
-
-
-def _wait(what: str, check: Callable[[], Any], timeout: float, interval: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f}s")
-        time.sleep(interval)
 
 
 class CpuAccount:
@@ -551,12 +543,12 @@ def start_first_version(w: World, sc: Scenario) -> rs.Load:
     with w.log_lock:
         w.status_log.clear()
     rest.create(w.kube.api, "infd", NS, manifest(w.plan, sc))
-    _wait(f"{sc.name}: v1 everywhere", lambda: _first_version_settled(w, sc), 1200, 2)
+    wait_for(f"{sc.name}: v1 everywhere", lambda: _first_version_settled(w, sc), 1200, 2)
     hashes = {p["metadata"]["annotations"].get(rs.CONFIG_HASH, "") for p in _pods(w, sc.name)}
     w.versions.freeze(hashes)
     load = rs.Load(w.plan.real_sites, w.kubelet.target, MODEL_NAME, w.args.period)
     load.start()
-    _wait(f"{sc.name}: the real replicas' baseline", lambda: _baseline_ready(w, sc.name), 180, 2)
+    wait_for(f"{sc.name}: the real replicas' baseline", lambda: _baseline_ready(w, sc.name), 180, 2)
     return load
 
 
@@ -577,7 +569,7 @@ class Outage:
         w = self.w
         if self.sc.rollout:
             canary = w.plan.sites[0]
-            _wait("the canary's bake", lambda: self._site_phase(canary) == "Baking", 900, 0.2)
+            wait_for("the canary's bake", lambda: self._site_phase(canary) == "Baking", 900, 0.2)
             time.sleep(max(0.0, w.plan.canary_bake - LEAD_S))
         nodes = rs.node_names(self.site)
         self.phase_then = self._site_phase(self.site) if self.sc.rollout else None
@@ -588,7 +580,7 @@ class Outage:
         time.sleep(w.plan.outage_s)
         rs.bring_back(w.kube.api, nodes)
         w.agents.signal(self.site, signal.SIGCONT)
-        _wait("the site's nodes back", lambda: rs.nodes_ready(w.kube.api, nodes), 120)
+        wait_for("the site's nodes back", lambda: rs.nodes_ready(w.kube.api, nodes), 120, 1)
         self._kubelet_back(nodes)
         w.timeline.set_offline(self.site, False)
         self.back = time.time()
@@ -669,7 +661,7 @@ def run_change(w: World, sc: Scenario, load: rs.Load) -> dict[str, Any]:
     if outage is not None:
         outage.thread.start()
     plain = PlainProgress(w, sc, w.args.stall)
-    ended = _wait(
+    ended = wait_for(
         f"{sc.key}: the end",
         lambda: _rollout_done(w, t0, outage) if sc.rollout else plain(outage),
         w.args.timeout,
@@ -709,7 +701,7 @@ def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 def remove(w: World, sc: Scenario) -> None:
     rest.delete(w.kube.api, "infd", NS, sc.name)
-    _wait(f"{sc.name}: gone", lambda: not _pods(w, sc.name) and not _infd(w, sc.name), 300, 2)
+    wait_for(f"{sc.name}: gone", lambda: not _pods(w, sc.name) and not _infd(w, sc.name), 300, 2)
 
 
 # ----------------------------------------------------------------------------- figures
@@ -947,7 +939,7 @@ def _clean_up(w: World, sc: Scenario) -> None:
             rs.bring_back(w.kube.api, nodes)
             w.agents.signal(w.plan.offline_site, signal.SIGCONT)
             w.timeline.set_offline(w.plan.offline_site, False)
-            _wait("the offline site back", lambda: rs.nodes_ready(w.kube.api, nodes), 120)
+            wait_for("the offline site back", lambda: rs.nodes_ready(w.kube.api, nodes), 120, 1)
         remove(w, sc)
     except (TimeoutError, ApiException, OSError) as exc:
         print(f"{sc.key}: clean-up: {exc!r}", file=sys.stderr)

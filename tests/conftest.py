@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from tests.cluster.cluster import DEVICE_PLUGIN_DIR, NODE_NAME, POD_RESOURCES_SO
 from tests.cluster.fleet import ensure_fleet
 from tests.cluster.images import BASE_IMAGE
 from tests.cluster.paths import bin_dir
+from tests.support.waiting import wait_for
 
 
 @dataclass
@@ -123,15 +123,15 @@ def clear_leftovers(kube: Kube) -> None:
             check=False,
         )
     # Their pods go by garbage collection; wait until the node's CPUs are free again.
-    deadline = time.monotonic() + 180
     selector = "app.kubernetes.io/managed-by=ember-operator"
-    while (
-        kubectl("get", "infd", "-A", "-o", "name", check=False).strip()
-        or kubectl("get", "pods", "-A", "-l", selector, "-o", "name", check=False).strip()
-    ):
-        if time.monotonic() > deadline:
-            raise RuntimeError("leftover InferenceDeployments or their pods stayed for 180 s")
-        time.sleep(1)
+
+    def left() -> str:
+        objs = kubectl("get", "infd", "-A", "-o", "name", check=False)
+        pods = kubectl("get", "pods", "-A", "-l", selector, "-o", "name", check=False)
+        return (objs + pods).strip()
+
+    what = "the leftover InferenceDeployments and their pods to go"
+    wait_for(what, left, 180, 1, until=lambda names: not names)
 
 
 def _uninstall_ember_releases(kube: Kube) -> None:

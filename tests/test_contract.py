@@ -6,12 +6,23 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import yaml
+from ember_operator.api.crdgen import crd
 from ember_operator.api.models import EngineSpec, ThermalSpec
-from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.contract.admin import AdminState, read_admin_state
+from ember_runtime.contract.config import EngineConfig, RuntimeConfig, fetch_from_spec
+from ember_runtime.contract.errors import ErrorBody, error_body
+from ember_runtime.contract.resource import (
+    DEFAULT_PORT,
+    GROUP,
+    PLURAL,
+    SpecView,
+    collection_path,
+    read_spec,
+)
 from ember_runtime.contract.thermal import (
     DEFAULTS,
     REPORT_PREFIX,
@@ -28,6 +39,7 @@ from ember_runtime.contract.thermal import (
     whole_degrees,
 )
 from ember_runtime.thermal.governor import Governor
+from pydantic import BaseModel
 
 CONTRACT = Path(__file__).resolve().parent.parent / "runtime" / "ember_runtime" / "contract"
 # What the contract may import from Ember: itself only (the sizing rule reads the contract's
@@ -210,3 +222,108 @@ def test_max_batch_size_is_rendered_once() -> None:
     assert text.count("maxBatchSize") == 1
     assert "maxBatchSize" in yaml.safe_load(text)["engine"]
     assert config.limits().max_batch_size == 8 == config.limits().next_batch(20.0, None)
+
+
+# ----------------------------------------------------------------------------- formats (#46)
+
+
+def test_admin_state_round_trips_and_reads_tolerantly() -> None:
+    """The runtime's `/admin/state` body (camelCase) is what the gateway decodes; a field the
+    gateway does not know is ignored, one it routes on may not be missing."""
+    state = AdminState(max_batch_size=13, capacity=16, queue_depth=2, active_sequences=5)
+    wire = state.model_dump_json(by_alias=True)
+    assert '"maxBatchSize":13' in wire and '"activeSequences":5' in wire
+    assert read_admin_state(wire.encode()) == state
+    newer = {**json.loads(wire), "somethingNew": {"x": 1}}
+    assert read_admin_state(json.dumps(newer).encode()) == state
+    older = {"maxBatchSize": 4, "capacity": 4, "queueDepth": 0, "activeSequences": 1}
+    assert read_admin_state(json.dumps(older).encode()).thermal_reason == ""
+    with pytest.raises(ValueError, match="queueDepth"):
+        read_admin_state(json.dumps({**older, "queueDepth": None}).encode())
+    with pytest.raises(ValueError, match="capacity"):
+        read_admin_state(json.dumps({k: v for k, v in older.items() if k != "capacity"}).encode())
+
+
+def test_the_openai_error_body() -> None:
+    detail = {"message": "busy", "type": "rate_limit_error", "param": None, "code": "queue_full"}
+    assert error_body(429, "busy", code="queue_full") == {"error": detail}
+    assert error_body(502, "x")["error"]["type"] == "server_error"
+    assert error_body(422, "x", param="n")["error"]["type"] == "invalid_request_error"
+    body = json.dumps(error_body(404, "no such model", param="model"))
+    assert ErrorBody.model_validate_json(body).error.param == "model"
+
+
+def _crd_spec() -> dict[str, Any]:
+    version = crd()["spec"]["versions"][0]
+    spec: dict[str, Any] = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return spec
+
+
+def _models(annotation: Any) -> list[type[BaseModel]]:
+    """The models in a field's type (`X`, `X | None`, `list[X]`)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models(arg)]
+
+
+def _missing(view: type[BaseModel], schema: dict[str, Any], where: str) -> list[str]:
+    """The view's fields (by their camelCase names, recursively) the CRD's schema lacks."""
+    out: list[str] = []
+    for name, field in view.model_fields.items():
+        alias = field.alias or name
+        prop = (schema.get("properties") or {}).get(alias)
+        if prop is None:
+            out.append(f"{where}.{alias}")
+            continue
+        for model in _models(field.annotation):
+            out += _missing(model, prop.get("items", prop), f"{where}.{alias}")
+    return out
+
+
+def test_the_spec_view_reads_only_what_the_crd_defines() -> None:
+    """The node side's view of an InferenceDeployment names fields of the CRD the operator's
+    models generate, with its defaults: a renamed field fails here, not in a gateway."""
+    assert _missing(SpecView, _crd_spec(), "spec") == []
+    assert _crd_spec()["properties"]["server"]["properties"]["port"]["default"] == DEFAULT_PORT
+    assert (crd()["spec"]["group"], crd()["spec"]["names"]["plural"]) == (GROUP, PLURAL)
+    assert collection_path("ns") == "/apis/ember.dev/v1alpha1/namespaces/ns/inferencedeployments"
+
+
+def test_one_reading_of_spec_model() -> None:
+    """The gateway's name and the node agent's fetch list come from the same parse; fields the
+    view does not name are ignored, a shape the CRD refuses is a ValueError."""
+    sha = "a" * 64
+    model = {
+        "name": "chat",
+        "format": "gguf",
+        "task": "generate",
+        "source": {"http": {"urls": {"m.gguf": "https://o/m"}, "secretRef": {"name": "hf"}}},
+        "files": [{"path": "m.gguf", "sha256": sha, "sizeBytes": 10}],
+        "somethingNew": True,
+    }
+    spec = read_spec({"spec": {"model": model, "replicas": 2}})
+    assert (spec.model.name, spec.server.port, spec.server.api_key_secret_ref) == (
+        "chat",
+        DEFAULT_PORT,
+        None,
+    )
+    fetch = fetch_from_spec(model)
+    assert fetch is not None and fetch.secret_ref == "hf"
+    assert [(f.url, f.sha256, f.size_bytes) for f in fetch.files] == [("https://o/m", sha, 10)]
+    assert fetch_from_spec({**model, "source": {"hostPath": {"path": "/m"}}}) is None
+    for bad in ("not an object", {**model, "name": ""}, {**model, "files": [{"path": "m"}]}):
+        with pytest.raises(ValueError):
+            fetch_from_spec(bad)
+
+
+def test_legacy_engine_args_still_work_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    default = EngineConfig().llamacpp_modes()
+    assert (default.deterministic, default.prefix_cache, default.repack) == (False, None, None)
+    assert EngineConfig(deterministic=True).llamacpp_modes().deterministic
+    old = EngineConfig(args={"exactBatching": "true", "prefixCache": "false"})
+    modes = old.llamacpp_modes()
+    assert modes.deterministic and modes.prefix_cache is False and modes.repack is None
+    assert "engine.args.exactBatching is deprecated" in caplog.text
+    assert "engine.args.prefixCache is deprecated" in caplog.text
+    fast = EngineConfig(args={"exactBatching": "false", "repack": "true"}).llamacpp_modes()
+    assert not fast.deterministic and fast.repack

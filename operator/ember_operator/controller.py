@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ember_runtime.contract import reasons
 from ember_runtime.contract.thermal import REASON_CRITICAL, ThermalReading
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -105,7 +106,7 @@ def _observe(
     try:
         plan = planned(ctx, body)
     except ValidationError as exc:  # the CRD should make this impossible; never crash-loop
-        problem = render.Problem("InvalidSpec", str(exc)[:512])
+        problem = render.Problem(reasons.INVALID_SPEC, str(exc)[:512])
         return Observation(deployment=None, pods=[], problems=[problem])
     return Observation(deployment, pods, plan.problems, plan.spec.replicas, plan.adaptive)
 
@@ -179,7 +180,7 @@ def reconcile(
         delay = ctx.requeue.later(key, attempt)
         if exc.status in PERMANENT_STATUSES:  # e.g. a quota or a policy: a human must act
             detail = f"the API server refused a child: {exc.reason}: {(exc.body or '')[:400]}"
-            problem = render.Problem("ApplyRejected", detail)
+            problem = render.Problem(reasons.APPLY_REJECTED, detail)
             ctx.writer.write(body, Observation(deployment=None, pods=[], problems=[problem]))
             result = "rejected"
         log.warning(

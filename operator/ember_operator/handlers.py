@@ -14,11 +14,11 @@ import asyncio
 from typing import Any
 
 import kopf
+from ember_runtime.contract.resource import SITE_LABEL
 
 from ember_operator import context, controller, kopf_setup, kubelet_events, metrics
 from ember_operator.api import GROUP, PLURAL, VERSION
 from ember_operator.reconcile import CHILD_LABELS, key_of
-from ember_operator.render import SITE_LABEL
 from ember_operator.rollout.observe import node_summary
 from ember_operator.settings import load_settings
 

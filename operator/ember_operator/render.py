@@ -24,13 +24,14 @@ from ember_runtime.contract.cache import (
     cache_label,
 )
 from ember_runtime.contract.config import (
-    EngineSettings,
+    EngineConfig,
     ModelFile,
     RuntimeConfig,
-    SensorSettings,
-    ServerSettings,
+    SensorConfig,
+    ServerConfig,
     fetch_from_spec,
 )
+from ember_runtime.contract.resource import SITE_LABEL
 from ember_runtime.contract.thermal import ThermalPolicy
 from ember_runtime.contract.wire import dump_yaml
 
@@ -47,7 +48,6 @@ EXTENDED_RESOURCE = {
 }
 API_KEY_DIR = "/etc/ember/api-key"
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
-SITE_LABEL = "ember.dev/site"
 SITE_SLICE_LABEL = "ember.dev/site-slice"  # which site's Deployment a pod belongs to (rollouts)
 REVISION_LABEL = "ember.dev/revision"  # the spec revision a rolled-out pod runs
 # The most a preference may weigh (the API's limit); split over a model's files, so a node
@@ -182,7 +182,7 @@ def runtime_config(spec: InferenceDeploymentSpec, settings: OperatorSettings) ->
         model_layout="sha256" if spec.model.source.http is not None else "paths",
         prewarm_dir=settings.prewarm_mount if spec.prewarm.enabled else None,
         accelerator=spec.accelerator.kind.value,
-        engine=EngineSettings(
+        engine=EngineConfig(
             kind=spec.engine.kind.value,
             context_length=spec.engine.context_length,
             max_batch_size=spec.engine.max_batch_size,
@@ -191,11 +191,11 @@ def runtime_config(spec: InferenceDeploymentSpec, settings: OperatorSettings) ->
             gpu_layers=spec.engine.gpu_layers,
             args=dict(spec.engine.args),
         ),
-        server=ServerSettings(
+        server=ServerConfig(
             port=spec.server.port,
             api_key_file=f"{API_KEY_DIR}/{ref.key}" if ref else None,
         ),
-        sensors=SensorSettings(
+        sensors=SensorConfig(
             sysfs_root=settings.host_sys_mount if _fake_sysfs(settings) else "/sys",
             nvml=spec.accelerator.kind == AcceleratorKind.NVIDIA_GPU,
             report_condition=True,

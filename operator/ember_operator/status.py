@@ -527,11 +527,6 @@ def to_wire(built: InferenceDeploymentStatus) -> dict[str, Any]:
     return built.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-def compute_status(obs: Observed, old: Mapping[str, Any], now: str) -> dict[str, Any]:
-    """`build_status` as the dict the status writer diffs and patches."""
-    return to_wire(build_status(obs, old, now))
-
-
 def _find(conditions: Iterable[Mapping[str, Any]], ctype: str) -> Mapping[str, Any] | None:
     return next((c for c in conditions if c.get("type") == ctype), None)
 

@@ -3,7 +3,7 @@
 Everything that changes status — a reconcile, a pod's readiness or `ember.dev/Thermal`
 condition, a Deployment's rollout, a kubelet warning about a pod (`PodEvents`) — calls
 `StatusWriter.write`, which computes the whole status
-from observed state (pure, `status.compute_status`) and patches only the fields that changed. No
+from observed state (pure, `status.build_status`) and patches only the fields that changed. No
 Kopf `patch.status` beside it, so two paths can never undo each other's writes; a per-object lock
 orders concurrent callers (Kopf runs sync handlers in threads), and the last status written is
 the base of the next diff, so a burst of pod events yields one write per real change.
@@ -18,14 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ember_runtime.contract.resource import object_path
 from kubernetes import client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ember_operator import metrics, render, status
-from ember_operator.api import GROUP, KIND, PLURAL, VERSION
+from ember_operator.api import API_VERSION, KIND
 from ember_operator.apply import namespace_terminating, request
-from ember_operator.thermal.actions import ObjectRef, record_event
+from ember_operator.events import ObjectRef, record_event
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ class StatusWriter:
 
     def _patch(self, key: Key, changed: Mapping[str, Any]) -> None:
         namespace, name = key
-        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
+        path = f"{object_path(namespace, name)}/status"
         try:
             request(
                 self._api,
@@ -213,7 +214,7 @@ def _announce_degraded(
     if not worth_an_event(degraded, old):
         return
     meta = body["metadata"]
-    ref = ObjectRef(f"{GROUP}/{VERSION}", KIND, meta["name"], meta["namespace"], meta["uid"])
+    ref = ObjectRef(API_VERSION, KIND, meta["name"], meta["namespace"], meta["uid"])
     try:
         record_event(client.CoreV1Api(api), ref, degraded["reason"], degraded["message"], "Warning")
     except ApiException as exc:  # the condition is written; the Event is the courtesy copy

@@ -130,7 +130,7 @@ class KubeClient:
 
 class ConditionPatcher:
     """Patches one object's `status.conditions` with one condition (merged by type): the
-    `thermal.reporter`'s writer, for a pod (the runtime) or a node (the node agent)."""
+    `reporter`'s writer, for a pod (the runtime) or a node (the node agent)."""
 
     def __init__(self, endpoint: Endpoint, path: str, timeout: float = 5.0) -> None:
         self._client, self._path = KubeClient(endpoint, timeout, watches=False), path

@@ -147,30 +147,22 @@ def kv_cache_bytes(shape: GGUFShape, cells: int) -> int:
     )
 
 
-def compute_buffer_bytes(shape: GGUFShape, attended: int, ubatch: int, outputs: int) -> int:
-    """The output buffer (logits of at most `outputs` rows: the engine sets `n_outputs_max` to
-    one per sequence) plus the graph's compute buffer (`graph_buffer_bytes`).
-
-    An upper bound of what llama.cpp reports for Gemma 3 270M at 2048 x 16 (output 16 MiB;
-    compute, measured / this rule): per-sequence streams 17.1 / 26.1 MiB at 256 prompt tokens
-    per step, 44.2 / 54.6 at 1024; one pool 43.4 / 58.0 at 256, 166.1 / 176.5 at 1024; and
-    at 512 x 16 in one pool at 1024, 68.6 / 79.0. Without the output limit llama.cpp would
-    size logits for every row: ~514 MiB at a 512-row micro-batch.
-    """
-    return output_buffer_bytes(shape, outputs) + graph_buffer_bytes(
-        shape, attended, ubatch, outputs
-    )
-
-
 def output_buffer_bytes(shape: GGUFShape, outputs: int) -> int:
-    """The logits llama.cpp hands back: host memory whether or not layers are offloaded."""
+    """The logits llama.cpp hands back: host memory whether or not layers are offloaded. At
+    most `outputs` rows: the engine sets `n_outputs_max` to one per sequence; without that
+    limit llama.cpp would size logits for every row (~514 MiB at a 512-row micro-batch)."""
     return shape.vocab * outputs * F32_BYTES
 
 
 def graph_buffer_bytes(shape: GGUFShape, attended: int, ubatch: int, outputs: int) -> int:
     """The compute graph's buffer (in device memory once layers are offloaded): the output
     layer's logits, then per micro-batch row a mask entry for every cell it may attend and
-    its activations (~11 embedding-wide f32 vectors measured; 12 counted)."""
+    its activations (~11 embedding-wide f32 vectors measured; 12 counted).
+
+    An upper bound of what llama.cpp reports for Gemma 3 270M at 2048 x 16 (output 16 MiB;
+    compute, measured / this rule): per-sequence streams 17.1 / 26.1 MiB at 256 prompt tokens
+    per step, 44.2 / 54.6 at 1024; one pool 43.4 / 58.0 at 256, 166.1 / 176.5 at 1024; and
+    at 512 x 16 in one pool at 1024, 68.6 / 79.0."""
     per_row = attended * F32_BYTES + shape.embedding * F32_BYTES * 12
     return output_buffer_bytes(shape, outputs) + ubatch * per_row
 

@@ -2,8 +2,9 @@
 
     python -m tests.arm64.proof [--build] [--write-results]
 
-- runtime: the server loads the Gemma model (`default_model_path()`, assembled inside the
-  image) and answers one `/v1/completions`; `prewarm diagnose --json` runs on that model;
+- runtime: the server loads the Gemma model (the tests' own, `default_model_path()`, copied into
+  the container: the image ships no model) and answers one `/v1/completions`;
+  `prewarm diagnose --json` runs on that model;
 - every image: its ENTRYPOINT starts and answers `--help`;
 - every image: each compiled extension module in its venv is an aarch64 ELF and imports.
 
@@ -29,18 +30,23 @@ from typing import IO, Any
 
 import httpx
 import yaml
-from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256, MODEL_SIZE_BYTES
 
 from images.build import IMAGES, REPO, EmberImage
 from tests.arm64.build import Timings, build_all, ref
 from tests.cluster.images import buildah_images
+from tests.support.model import (
+    MODEL_FILENAME,
+    MODEL_SHA256,
+    MODEL_SIZE_BYTES,
+    default_model_path,
+)
 from tests.support.net import free_port
 from tests.support.waiting import wait_for
 
 BINFMT = Path("/proc/sys/fs/binfmt_misc/qemu-aarch64")
 RESULTS = REPO / "bench" / "results"
-CACHE_ENV = "XDG_CACHE_HOME=/tmp/cache"  # the image's user has no home: the model goes here
-MODEL_DIR = "/tmp/cache/ember/models"
+MODEL_DIR = "/tmp/models"  # in the runtime's container
+MODEL_PATH = f"{MODEL_DIR}/{MODEL_FILENAME}"
 SERVER_READY_S = 900.0
 # Run inside an image: every compiled extension module of the venv (the ABI-tagged suffixes;
 # plain .so files are libraries loaded by ctypes or the linker, checked for aarch64 only).
@@ -113,14 +119,12 @@ def missing_images() -> list[str]:
 
 
 @contextmanager
-def container(image: EmberImage, *env: str) -> Iterator[str]:
+def container(image: EmberImage) -> Iterator[str]:
     """A buildah working container of the image (its own USER and ENV), removed afterwards."""
     name = subprocess.run(
         ["buildah", "from", "--quiet", ref(image)], capture_output=True, text=True, check=True
     ).stdout.strip()
     try:
-        for pair in env:
-            subprocess.run(["buildah", "config", "--env", pair, name], check=True)
         yield name
     finally:
         subprocess.run(["buildah", "rm", name], capture_output=True, check=False)
@@ -188,10 +192,11 @@ def _complete(url: str) -> dict[str, Any]:
 
 
 def prove_server(name: str, timings: Timings) -> dict[str, Any]:
-    """Start the runtime's server on the default model, time its load and one completion."""
+    """Start the runtime's server on the test model, time its load and one completion."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = ["python3", "-m", "ember_runtime.server", "--host", "127.0.0.1", "--port", str(port)]
+    argv = ["python3", "-m", "ember_runtime.server", "--model", MODEL_PATH]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
     argv += ["--threads", "2", "--context-length", "512", "--max-batch-size", "1"]
     with tempfile.TemporaryFile("w+") as log:
         return _serve_and_ask(name, argv, url, log, timings)
@@ -217,6 +222,15 @@ def _serve_and_ask(
     return answer
 
 
+def copy_model(name: str) -> None:
+    """The tests' model into the runtime's container, readable by the image's user."""
+    subprocess.run(
+        ["buildah", "copy", "--chmod", "0644", name, str(default_model_path()), MODEL_PATH],
+        check=True,
+        capture_output=True,
+    )
+
+
 def _engine_info(name: str) -> str:
     code = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
     return run_in(name, "python3", "-c", code).stdout.strip()
@@ -228,7 +242,7 @@ def _cpu(name: str) -> dict[str, Any]:
 
 
 def prove_diagnose(name: str) -> dict[str, Any]:
-    """`prewarm diagnose --json` on the model the server assembled, with a real config file."""
+    """`prewarm diagnose --json` on the model the server loaded, with a real config file."""
     config = {
         "modelName": "gemma-3-270m",
         "modelDir": MODEL_DIR,
@@ -260,8 +274,7 @@ def prove_diagnose(name: str) -> dict[str, Any]:
 
 def _prove_image(image: EmberImage, timings: Timings) -> dict[str, Any]:
     short = image.name.removeprefix("ember-")
-    env = (CACHE_ENV,) if image.name == "ember-runtime" else ()
-    with container(image, *env) as name:
+    with container(image) as name:
         entry: dict[str, Any] = {
             "help": timings.time(f"{short}: --help (qemu)", prove_help, name, image),
             "extensions": timings.time(
@@ -270,6 +283,7 @@ def _prove_image(image: EmberImage, timings: Timings) -> dict[str, Any]:
         }
         if image.name == "ember-runtime":
             entry["engine"] = _engine_info(name)
+            copy_model(name)
             entry["completion"] = prove_server(name, timings)
             entry["diagnose"] = timings.time(
                 "runtime: prewarm diagnose (qemu)", prove_diagnose, name

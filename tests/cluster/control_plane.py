@@ -297,7 +297,7 @@ class ControlPlane:
             "kube-apiserver /readyz",
             self.ready,
             timeout=90,
-            on_fail=self.procs.tail("kube-apiserver") + self.procs.tail("etcd"),
+            on_fail=lambda: self.procs.tail("kube-apiserver") + self.procs.tail("etcd"),
             interval=0.1,
             tolerate=(Exception,),
         )

@@ -8,7 +8,6 @@ renders from `spec.placement.tolerations`) land there and the real node's tests 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,6 +17,7 @@ from kubernetes import client, utils
 from tests.cluster.control_plane import ControlPlane
 from tests.cluster.procs import ProcessTable
 from tests.support.net import free_port
+from tests.support.waiting import wait_for
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 SIM_TAINT = {"key": "ember.dev/simulated", "value": "true", "effect": "NoSchedule"}
@@ -98,13 +98,12 @@ def wait_schedulable(api: client.ApiClient, names: Iterable[str], timeout: float
     silently defeats tests that rely on scoring (a preferred node) or on spreading.
     """
     core, pending = client.CoreV1Api(api), set(names)
-    deadline = time.monotonic() + timeout
-    while pending:
-        pending = {name for name in pending if not _schedulable(core.read_node(name))}
-        if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"kwok nodes unschedulable after {timeout:.0f}s: {sorted(pending)}")
-        if pending:
-            time.sleep(0.25)
+
+    def unschedulable() -> list[str]:
+        pending.difference_update([n for n in pending if _schedulable(core.read_node(n))])
+        return sorted(pending)
+
+    wait_for("the kwok nodes to be schedulable", unschedulable, timeout, until=lambda n: not n)
 
 
 def _schedulable(node: Any) -> bool:

@@ -22,11 +22,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ember_runtime.models import sha256_file
-
 from images.build import HOST_ARCH
 from tests.cluster.build import log
 from tests.cluster.paths import cache_root
+from tests.support.model import sha256_file
 
 PAUSE_IMAGE = "ember.local/pause:3.10"
 BASE_IMAGE = "ember.local/base:bookworm"

@@ -117,7 +117,7 @@ class Node:
             "containerd socket",
             lambda: self.ctr("version").returncode == 0,
             timeout=30,
-            on_fail=self.procs.tail("containerd"),
+            on_fail=lambda: self.procs.tail("containerd"),
             interval=0.1,
             tolerate=(Exception,),
         )
@@ -226,7 +226,7 @@ class Node:
             f"node {NODE_NAME} Ready",
             self.node_ready,
             timeout=120,
-            on_fail=self.procs.tail("kubelet", 60),
+            on_fail=lambda: self.procs.tail("kubelet", 60),
             interval=0.1,
             tolerate=(Exception,),
         )

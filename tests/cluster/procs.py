@@ -6,12 +6,11 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tests.support.net import free_port, port_open
-from tests.support.waiting import wait_for
+from tests.support.waiting import poll, wait_for
 
 
 def pid_alive(pid: int) -> bool:
@@ -72,9 +71,7 @@ class ProcessTable:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while pid_alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            poll(lambda: not pid_alive(pid), grace, 0.05)  # then SIGKILL
             if pid_alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

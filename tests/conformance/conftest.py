@@ -7,17 +7,16 @@ real HTTP, configured as tests/runtime's `server` (capacity 4, 512 tokens per se
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from ember_runtime.contract.config import RuntimeConfig
-from ember_runtime.models import default_model_path
 from ember_runtime.server.app import create_app
 
-from tests.conformance.cases import Case, LengthLimit
+from tests.conformance.cases import Case
 from tests.runtime.conftest import LiveServer, make_config, start_live
+from tests.support.model import default_model_path
 
 MODEL = "gemma-3-270m"  # make_config's modelName: the id /v1/models answers
 
@@ -46,14 +45,11 @@ def ember_embed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
 
 @pytest.fixture
 def run_case(request: pytest.FixtureRequest) -> Callable[[Case], None]:
-    """Runs one case on the Ember server it needs. A schema-less JSON reply cut by max_tokens
-    is the base model's doing (llama-server's too): it passes with a warning that says so."""
+    """Runs one case on the Ember server it needs. Any exception fails it, `LengthLimit` too: a
+    reply cut at max_tokens (finish_reason "length") is not a pass."""
 
     def run(case: Case) -> None:
         live: LiveServer = request.getfixturevalue("ember_embed" if case.embed else "ember")
-        try:
-            case.run(live.url, MODEL)
-        except LengthLimit as exc:
-            warnings.warn(f"{case.id}: length limit (base model): {exc}", stacklevel=1)
+        case.run(live.url, MODEL)
 
     return run

@@ -80,9 +80,9 @@ def plugin(node: Any) -> Iterator[dict[str, Path]]:
 def live_contexts(checkpoint: Path) -> dict[int, str | None]:
     """Context ID -> owner ("ns/pod/container") as the plugin's checkpoint records it."""
     return {
-        cid: alloc["owner"]
-        for alloc in Checkpoint(checkpoint).read_live()
-        for cid in alloc["contexts"].values()
+        cid: alloc.owner
+        for alloc in Checkpoint(checkpoint).load().allocations
+        for cid in alloc.contexts.values()
     }
 
 

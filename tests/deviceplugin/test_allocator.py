@@ -126,7 +126,7 @@ def test_superseded_unseen_allocation_released_by_the_allocate_itself(tmp_path: 
     assert [r.contexts for r in heard] == [{"davinci0": 0}]
     assert alloc.live_ids() == {1, 2}
     # ...in the same checkpoint write: a restarted plugin does not resurrect it
-    assert [a["contexts"] for a in checkpoint.read_live()] == [{"davinci0": 1}, {"davinci0": 2}]
+    assert [a.contexts for a in checkpoint.load().allocations] == [{"davinci0": 1}, {"davinci0": 2}]
     assert alloc.reconcile({}, grace=1000) == []
 
 
@@ -162,7 +162,7 @@ def test_checkpoint_stays_a_node_long_under_churn(tmp_path: Path) -> None:
     units = [f"davinci{d}-ctx{c}" for d in range(4) for c in range(2)]
     for i in range(200):  # no reconcile in between: pods come and go faster than it runs
         alloc.allocate([[units[i % len(units)]]])
-    assert len(checkpoint.read_live()) == len(units)
+    assert len(checkpoint.load().allocations) == len(units)
 
 
 def test_stale_snapshot_never_binds_to_the_previous_holder(tmp_path: Path) -> None:

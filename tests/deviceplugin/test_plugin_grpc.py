@@ -12,6 +12,8 @@ import httpx
 import pytest
 from ember_runtime.deviceplugin.api import api_pb2 as pb
 
+from tests.support.waiting import wait_async
+
 from .conftest import PluginFactory
 from .harness import RESOURCE, FakePod, KubeletHarness
 
@@ -294,14 +296,13 @@ async def test_metrics_report_devices_and_contexts(
     async with kubelet.plugin(SOCKET) as stub:
         await allocate(stub, ["davinci1-ctx0"])
     url = f"http://127.0.0.1:{plugin.metrics_port}/metrics"
-    deadline = time.monotonic() + 3
-    while True:  # gauges refresh within a second
-        async with httpx.AsyncClient() as client:
-            text = (await client.get(url)).text
-        if 'ember_npu_contexts{device="davinci1",state="used"} 1.0' in text:
-            break
-        assert time.monotonic() < deadline, text
-        await asyncio.sleep(0.2)
+    used = 'ember_npu_contexts{device="davinci1",state="used"} 1.0'
+    async with httpx.AsyncClient() as client:  # gauges refresh within a second
+
+        async def metrics() -> str:
+            return (await client.get(url)).text
+
+        text = await wait_async("the used context", metrics, 3, 0.2, until=lambda t: used in t)
     assert 'ember_npu_devices{health="healthy"} 2.0' in text
     assert 'ember_npu_contexts{device="davinci1",state="free"} 3.0' in text
     assert 'ember_npu_registrations_total{result="ok"} 1.0' in text

@@ -92,8 +92,8 @@ async def test_sigterm_removes_socket_and_keeps_checkpoint(
         code = stop(proc, signal.SIGTERM)
     assert code == 0, (workdir / "plugin.log").read_text()
     assert not (kubelet.plugin_dir / SOCKET).exists()
-    live = Checkpoint(Path(settings["checkpoint_path"])).read_live()
-    assert [a["units"] for a in live] == [["davinci0-ctx0"]]
+    live = Checkpoint(Path(settings["checkpoint_path"])).load().allocations
+    assert [a.units for a in live] == [["davinci0-ctx0"]]
     # Start-up objects left the collector's full passes once serving began (ember_runtime.heap).
     assert re.search(r"froze [1-9]\d+ start-up objects", (workdir / "plugin.log").read_text())
 

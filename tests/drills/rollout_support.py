@@ -66,6 +66,7 @@ from tests.cluster.fleet import SIM_TAINT, node_manifest
 from tests.conftest import Kube
 from tests.nodeagent.site_support import TRUSTED_SITE_LABEL, SiteWorld, claim_metadata
 from tests.support.net import free_port
+from tests.support.waiting import poll, wait_for
 from tests.thermal.kube_support import api_server
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
@@ -1151,11 +1152,14 @@ class Kubelet:
     def _model_view(self, replica: Replica, sha: str, size: int) -> Path:
         if not self.agents.has_real(replica.site):
             raise RuntimeError(f"site {replica.site} has no real agent for its real replica")
-        deadline = time.monotonic() + self.cfg.load_timeout_s
-        while (blob := self.agents.cache_file(replica.site, sha, size)) is None:
-            if replica.ended or time.monotonic() > deadline:
-                raise RuntimeError(f"{replica.pod}: {sha[:12]} never reached the site cache")
-            time.sleep(0.5)
+
+        def cached() -> Path | None:
+            if replica.ended:
+                raise RuntimeError(f"{replica.pod} ended before {sha[:12]} reached the site cache")
+            return self.agents.cache_file(replica.site, sha, size)
+
+        what = f"{replica.pod}: {sha[:12]} in the site cache"
+        blob = wait_for(what, cached, self.cfg.load_timeout_s, 0.5)
         view = replica.workdir / "model" / "model.gguf"
         view.parent.mkdir(exist_ok=True)
         view.unlink(missing_ok=True)
@@ -1216,15 +1220,19 @@ class Kubelet:
         (group / "cgroup.procs").write_text(str(pid))
 
     def _wait_ready(self, replica: Replica) -> bool:
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
-        while time.monotonic() < deadline and not replica.ended:
+        """Whether the runtime answered /readyz in time, before it exited or its pod went."""
+
+        def state() -> str | None:
+            if replica.ended:
+                return "ended"
             if replica.proc is None or replica.proc.poll() is not None:
-                return False
+                return "exited"
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{replica.url}/readyz", timeout=1).status_code == 200:
-                    return True
-            time.sleep(0.2)
-        return False
+                    return "ready"
+            return None
+
+        return bool(poll(state, self.cfg.ready_timeout_s, 0.2) == "ready")
 
     def _stop(self, replica: Replica) -> None:
         """The pod is going: SIGTERM (the runtime drains), SIGKILL after the grace period."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.net import free_port
+from tests.support.waiting import wait_for
 
 PROMPTS = (
     "Once upon a time",
@@ -63,11 +64,14 @@ class Server:
         env = {k: v for k, v in os.environ.items() if k != "EMBER_CONFIG"}
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while not self._ready():
-            assert self.alive(), self.log.read_text()
-            assert time.monotonic() < deadline, "server never became ready"
-            time.sleep(0.2)
+
+        def ready() -> bool:
+            if self._ready():
+                return True
+            assert self.alive(), self.log.read_text()  # exited: fail now, with its log
+            return False
+
+        wait_for("the server to be ready", ready, 120, 0.2)
 
     def _ready(self) -> bool:
         try:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ember_runtime.models import default_model_path
-
 from tests.drills import soak
 from tests.drills.common import record, scale, table
+from tests.support.model import default_model_path
+from tests.support.waiting import poll
 
 MAX_BATCH = 2
 MAX_QUEUE = 4  # the admission queue's bound; beyond it the server answers 429
@@ -60,15 +60,13 @@ async def _soak(server: soak.Server, size: Size) -> tuple[soak.Tally, list[tuple
 
 def _settled(server: soak.Server, timeout: float = 20.0) -> dict[str, float]:
     """The server's metrics once nothing is queued or running (or at the timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        metrics = server.metrics()
-        busy = soak.series_sum(metrics, "ember_queue_depth") + soak.series_sum(
-            metrics, "ember_active_sequences"
-        )
-        if busy == 0 or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.2)
+
+    def idle(metrics: dict[str, float]) -> bool:
+        busy = ("ember_queue_depth", "ember_active_sequences")
+        return sum(soak.series_sum(metrics, name) for name in busy) == 0
+
+    settled: dict[str, float] = poll(server.metrics, timeout, 0.2, until=idle)
+    return settled
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +26,13 @@ from typing import Any
 import pytest
 from ember_runtime.contract import reasons
 from ember_runtime.contract.config import ModelFile, RuntimeConfig
-from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256, MODEL_SIZE_BYTES, default_model_path
+from ember_runtime.contract.manifest import MANIFEST_NAME
 from ember_runtime.prewarm.checks import DEFAULT_MARGIN_BYTES
 from ember_runtime.prewarm.copy import PARTIAL_MARKER
-from ember_runtime.prewarm.manifest import MANIFEST_NAME
 
 from tests.drills.common import record, scale, table
+from tests.support.model import MODEL_FILENAME, MODEL_SHA256, MODEL_SIZE_BYTES, default_model_path
+from tests.support.waiting import wait_for
 
 CLI = [sys.executable, "-m", "ember_runtime.prewarm", "prewarm"]
 MIB = 1 << 20
@@ -83,11 +83,14 @@ def run_prewarm(config: Path, between: Damage | None, source: Path, mount: Path)
     r, w = _full_pipe()
     proc = subprocess.Popen([*CLI, "--config", str(config)], stdout=w, stderr=subprocess.DEVNULL)
     os.close(w)
-    deadline = time.monotonic() + 60
-    while not _blocked_on_pipe(proc.pid):
+
+    def blocked() -> bool:
+        if _blocked_on_pipe(proc.pid):
+            return True
         assert proc.poll() is None, "prewarm ended before its first line"
-        assert time.monotonic() < deadline, "prewarm never got past its preflight checks"
-        time.sleep(0.01)
+        return False
+
+    wait_for("prewarm past its preflight checks (blocked on its full pipe)", blocked, 60, 0.01)
     between(source, mount)
     drain = threading.Thread(target=lambda: _drain(r), daemon=True)
     drain.start()

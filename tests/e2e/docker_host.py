@@ -20,12 +20,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.cluster.build import log
 from tests.cluster.paths import cache_root
 from tests.e2e import runc_shim
+from tests.support.waiting import wait_for
 
 DAEMON_JSON = Path("/etc/docker/daemon.json")
 RUNTIME = "ember-runc"
@@ -86,7 +86,8 @@ def start_dockerd() -> None:
             "no Docker engine answers and dockerd is missing (apt-get install docker.io)"
         )
     policy = forward_policy()
-    logfile = (kind_dir() / "dockerd.log").open("ab")
+    logpath = kind_dir() / "dockerd.log"
+    logfile = logpath.open("ab")
     log("starting dockerd (log: ~/.cache/ember/kind/dockerd.log)")
     subprocess.Popen(
         ["dockerd"],
@@ -95,13 +96,12 @@ def start_dockerd() -> None:
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 60
-    while not engine_answers():
-        if time.monotonic() > deadline:
-            raise SystemExit(
-                "dockerd did not answer within 60 s; see ~/.cache/ember/kind/dockerd.log"
-            )
-        time.sleep(1)
+
+    def log_tail() -> str:
+        tail = logpath.read_text(errors="replace").splitlines()[-20:]
+        return "\n".join([f"{logpath} ends:", *tail])
+
+    wait_for("dockerd to answer", engine_answers, 60, 1, on_fail=log_tail)
     if forward_policy() != policy:
         subprocess.run(["iptables", "-P", "FORWARD", policy], check=True)
         log(f"iptables FORWARD policy put back to {policy} (dockerd had set DROP)")

@@ -32,11 +32,11 @@ from typing import Any, Protocol
 
 import httpx
 from ember_operator import quantity
-from ember_runtime.models import MODEL_SHA256, default_model_path
 
 from tests.cluster.images import PAUSE_IMAGE
 from tests.cluster.procs import port_forward
-from tests.support.waiting import wait_for
+from tests.support.model import MODEL_SHA256, default_model_path
+from tests.support.waiting import poll, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "ember"
@@ -235,9 +235,7 @@ class Flow:
             )
             return names.strip()
 
-        deadline = time.monotonic() + timeout
-        while (left := found()) and time.monotonic() < deadline:
-            time.sleep(1)
+        left: str = poll(found, timeout, 1, until=lambda names: not names)
         return left
 
     def refused_calls(self, component: str = "operator") -> list[str]:
@@ -379,26 +377,28 @@ class Flow:
         object's own reason says why. A reason that clears (a rollout freeing room, a slow
         first pull) restarts the clock.
         """
+        echo, degraded = Echo(), DegradedClock()
+
+        def done() -> dict[str, Any] | None:
+            row = self.run_kubectl(
+                "get", "infd", name, "-n", namespace, "--no-headers", check=False
+            )
+            echo(row.strip())
+            obj: dict[str, Any] = json.loads(
+                self.run_kubectl("get", "infd", name, "-n", namespace, "-o", "json")
+            )
+            if _condition(obj, "Ready") == "True" and (until is None or until(obj)):
+                return obj
+            stuck = degraded.update(obj)
+            if stuck is not None:
+                raise DegradedError(f"{name} is {stuck}\n{self.dump(namespace)}")
+            return None
+
         with timed(f"waiting for InferenceDeployment {namespace}/{name} to be {what}"):
-            deadline = time.monotonic() + timeout
-            last, degraded = "", DegradedClock()
-            while time.monotonic() < deadline:
-                row = self.run_kubectl(
-                    "get", "infd", name, "-n", namespace, "--no-headers", check=False
-                ).strip()
-                if row != last:
-                    print(f"    {row}", file=sys.stderr, flush=True)
-                    last = row
-                obj: dict[str, Any] = json.loads(
-                    self.run_kubectl("get", "infd", name, "-n", namespace, "-o", "json")
-                )
-                if _condition(obj, "Ready") == "True" and (until is None or until(obj)):
-                    return obj
-                stuck = degraded.update(obj)
-                if stuck is not None:
-                    raise DegradedError(f"{name} is {stuck}\n{self.dump(namespace)}")
-                time.sleep(2)
-            raise TimeoutError(f"{name} not {what} after {timeout:.0f}s\n{self.dump(namespace)}")
+            ready: dict[str, Any] = wait_for(
+                f"{name} to be {what}", done, timeout, 2, on_fail=lambda: self.dump(namespace)
+            )
+            return ready
 
     def wait_rolled(self, name: str, namespace: str, old_pods: list[str]) -> list[str]:
         """After an edit: wait until the new generation is observed, Ready, and served only by
@@ -449,17 +449,16 @@ class Flow:
         timeout: float = 90,
         poll: float = 1,
     ) -> dict[str, str]:
+        echo = Echo()
         with timed(f"waiting until `kubectl get infd {name}` shows {what}"):
-            deadline, last = time.monotonic() + timeout, dict[str, str]()
-            while time.monotonic() < deadline:
-                cols = self.get_columns(name, namespace)
-                if cols != last:
-                    print(f"    {cols}", file=sys.stderr, flush=True)
-                    last = cols
-                if want(cols):
-                    return cols
-                time.sleep(poll)
-            raise TimeoutError(f"`kubectl get infd {name}` never showed {what}: {last}")
+            cols: dict[str, str] = wait_for(
+                f"`kubectl get infd {name}` to show {what}",
+                lambda: echo(self.get_columns(name, namespace)),
+                timeout,
+                poll,
+                until=want,
+            )
+            return cols
 
     def heat_and_cool(self, name: str, namespace: str) -> tuple[dict[str, str], dict[str, str]]:
         """Heat the fake sensor, see the batch shrink in `kubectl get infd`, cool, see it back.
@@ -632,6 +631,19 @@ def _find_condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
         if cond.get("type") == kind:
             return dict(cond)
     return None
+
+
+@dataclass
+class Echo:
+    """Prints each value unlike the one before: a wait's progress, on stderr."""
+
+    last: Any = None
+
+    def __call__(self, value: Any) -> Any:
+        if value != self.last:
+            print(f"    {value}", file=sys.stderr, flush=True)
+            self.last = value
+        return value
 
 
 class DegradedError(RuntimeError):

@@ -82,7 +82,7 @@ class KindTarget:
 @contextmanager
 def cluster_lock() -> Iterator[None]:
     if os.environ.get("EMBER_CLUSTER_LOCK_HELD") == "1":
-        yield  # the caller (tests/e2e/test_kind.py under `flock`) serializes already
+        yield  # the caller (tests/e2e/test_kind_node.py under `flock`) serializes already
         return
     with LOCK.open("a") as lock:
         step(f"waiting for {LOCK} (one cluster test at a time)")

@@ -11,7 +11,7 @@ Go harness tests/fleet/kstatus/, Argo CD through charts/ember/files/argocd-healt
   paused site rollout                      InProgress   Suspended
   generation not observed yet              InProgress   Progressing
 
-Statuses come from the operator's own code (`ember_operator.status.compute_status`) and, for
+Statuses come from the operator's own code (`ember_operator.status.build_status`) and, for
 rollout phases and edge cases, from objects written by hand. Where the engines disagree by
 design (kstatus cannot tell a crash-looping pod from a slow one; it does not look at each
 condition's observedGeneration; an object with no status at all is Current to it), the case
@@ -40,7 +40,7 @@ from tests.fleet.health import (
     check_object,
     check_objects,
 )
-from tests.operator.specs import deployment
+from tests.operator.specs import deployment, wire_status
 
 NOW = "2026-01-01T00:00:00Z"
 GEN = 5
@@ -247,7 +247,7 @@ def _check_kstatus_conditions(case: OperatorCase, conds: dict[str, dict[str, Any
 
 @pytest.mark.parametrize("case", OPERATOR_CASES, ids=lambda c: c.id)
 def test_operator_status(case: OperatorCase) -> None:
-    st = status.compute_status(_observed(case.observed), {}, NOW)
+    st = wire_status(_observed(case.observed), {}, NOW)
     conds = _by_type(st)
     assert st["observedGeneration"] == GEN
     assert all(c["observedGeneration"] == GEN for c in conds.values())
@@ -273,7 +273,7 @@ def test_operator_status_before_the_operator_sees_the_new_generation(
     case: OperatorCase,
 ) -> None:
     """The spec changed (generation 6) and the operator has not written for it yet."""
-    st = status.compute_status(_observed(case.observed), {}, NOW)
+    st = wire_status(_observed(case.observed), {}, NOW)
     assert check_object(infd(st, generation=GEN + 1)) == ("InProgress", "Progressing")
 
 
@@ -306,7 +306,7 @@ def test_operator_status_with_a_site_rollout(phase: str) -> None:
     """The operator's own conditions for each status.rollout phase (its Observed.rollout)."""
     if "rollout" not in {f.name for f in dataclasses.fields(status.Observed)}:
         pytest.skip("ember_operator.status.Observed has no rollout field (no site rollouts)")
-    st = status.compute_status(_observed({"rollout": ROLLOUTS[phase]}), {}, NOW)
+    st = wire_status(_observed({"rollout": ROLLOUTS[phase]}), {}, NOW)
     assert st["rollout"]["phase"] == phase
     ks, argo = check_object(infd(st))
     want_ks, want_argo = ROLLOUT_EXPECTED[phase]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from ember_runtime.gateway.routes import Backend, ModelRoute
 from ember_runtime.server.app import create_app as runtime_app
 
 from tests.runtime.conftest import LiveServer, make_config, start_live
+from tests.support.waiting import wait_for
 
 ALPHA_KEY = "alpha-key-0123456789"
 BETA_KEY = "beta-key-9876543210"
@@ -68,16 +68,13 @@ class Gateway:
         return value or 0.0
 
     def wait_probed(self, check: Callable[[Fleet], bool], timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not check(self.fleet):
-            if time.monotonic() > deadline:
-                seen = [
-                    (r.backend.key, r.view()) for m in self.routes for r in self.fleet.replicas(m)
-                ]
-                raise AssertionError(
-                    f"the gateway's probes never showed the expected state: {seen}"
-                )
-            time.sleep(0.05)
+
+        def seen() -> str:
+            views = [(r.backend.key, r.view()) for m in self.routes for r in self.fleet.replicas(m)]
+            return f"the replicas as probed: {views}"
+
+        what = "the gateway's probes to show the expected state"
+        wait_for(what, lambda: check(self.fleet), timeout, 0.05, on_fail=seen)
 
     def stop(self) -> None:
         self.live.stop()

@@ -6,7 +6,6 @@ at a runtime it started, with `point_at`)."""
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from kubernetes import client
 from tests.cluster.build import ensure_binaries
 from tests.cluster.fleet import SIM_TOLERATION
 from tests.conftest import Kube
+from tests.support.waiting import wait_for
 from tests.thermal.kube_support import CHART, token_dir
 
 SA = "ember-gateway"
@@ -58,8 +58,8 @@ def pod(name: str, instance: str, node: str) -> dict[str, Any]:
 
 def ips(kube: Kube, namespace: str, names: list[str], timeout: float = 60) -> dict[str, str]:
     """The pods' IPs once kwok has made them Ready."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ready_ips() -> dict[str, str]:
         found: dict[str, str] = {}
         for name in names:
             got: Any = kube.core.read_namespaced_pod(name, namespace)
@@ -68,10 +68,13 @@ def ips(kube: Kube, namespace: str, names: list[str], timeout: float = 60) -> di
             )
             if ready and got.status.pod_ip:
                 found[name] = got.status.pod_ip
-        if len(found) == len(names):
-            return found
-        assert time.monotonic() < deadline, f"kwok never made {names} ready: {found}"
-        time.sleep(0.5)
+        return found
+
+    what = f"kwok to make {names} ready"
+    found: dict[str, str] = wait_for(
+        what, ready_ips, timeout, 0.5, until=lambda f: len(f) == len(names)
+    )
+    return found
 
 
 def point_at(kube: Kube, namespace: str, name: str, ip: str) -> None:

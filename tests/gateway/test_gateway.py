@@ -32,6 +32,7 @@ from tests.gateway.conftest import (
     start_replica,
 )
 from tests.runtime.conftest import LiveServer, start_live
+from tests.support.waiting import wait_for
 
 ALPHA = {"Authorization": f"Bearer {ALPHA_KEY}"}
 
@@ -338,10 +339,8 @@ def _active(server: LiveServer) -> int:
 
 def _wait_idle(server: LiveServer, within: float) -> float:
     start = time.monotonic()
-    while _active(server) > 0:
-        if time.monotonic() - start > within:
-            raise AssertionError(f"{server.url} still generating {within} s after the client left")
-        time.sleep(0.05)
+    what = f"{server.url} to stop generating after the client left"
+    wait_for(what, lambda: _active(server), within, 0.05, until=lambda active: active == 0)
     return time.monotonic() - start
 
 

@@ -164,7 +164,7 @@ def gateway_site(kube: Kube, ns: str, tmp: Path, replicas: dict[str, int]) -> It
             ),
             timeout=60,
             tolerate=(httpx.TransportError,),
-            on_fail=log.read_text(errors="replace")[-3000:],
+            on_fail=lambda: log.read_text(errors="replace")[-3000:],
         )
         yield here
 

@@ -33,6 +33,7 @@ from ember_runtime.nodeagent.site import ORIGIN_SLOT, SHORT, lease_name
 from kubernetes import client
 
 from tests.conftest import Kube
+from tests.support.waiting import wait_for
 from tests.thermal.kube_support import NODEAGENT_TEMPLATES, chart_objects, kubectl_apply, token_dir
 
 AGENT_SA = "ember-nodeagent"
@@ -309,14 +310,19 @@ class SiteWorld:
         return "\n".join(f"--- {a.node}\n{a.log.read_text()}" for a in self.agents)
 
     def wait(self, done: Callable[[], bool], timeout: float, what: str) -> float:
-        started = time.monotonic()
-        while not done():
+        """Seconds until `done()`; fails (with the agents' logs) at `timeout` or as soon as an
+        agent exits."""
+
+        def check() -> bool:
+            if done():
+                return True
             for a in self.agents:
                 if a.proc is not None and a.proc.poll() is not None:
                     raise AssertionError(f"agent {a.node} exited\n{self.logs()}")
-            if time.monotonic() - started > timeout:
-                raise AssertionError(f"timed out waiting for {what}\n{self.logs()}")
-            time.sleep(0.1)
+            return False
+
+        started = time.monotonic()
+        wait_for(what, check, timeout, 0.1, on_fail=self.logs)
         return time.monotonic() - started
 
     def stop_agents(self) -> list[int]:

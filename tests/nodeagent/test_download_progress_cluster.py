@@ -26,6 +26,7 @@ from ember_runtime.contract.cache import MODEL_DOWNLOAD_CONDITION
 from tests.conftest import Kube
 from tests.nodeagent.origin import serve
 from tests.nodeagent.site_support import SiteWorld
+from tests.support.waiting import poll
 from tests.thermal.kube_support import chart_objects, kubectl_apply
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -108,12 +109,12 @@ def test_the_agent_may_write_only_this_condition_on_its_own_nodes_pods(
             return http.patch(f"/api/v1/namespaces/{namespace}/pods/{pod}/status", json=body)
 
         # The API server takes a second or so to start enforcing a new policy.
-        deadline = time.monotonic() + 30
-        while True:
-            theirs = patch(other_pod, {"status": {"conditions": [{**cond, "message": "theirs"}]}})
-            if theirs.status_code != 200 or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        theirs = poll(
+            lambda: patch(other_pod, {"status": {"conditions": [{**cond, "message": "theirs"}]}}),
+            30,
+            0.5,
+            until=lambda resp: resp.status_code != 200,
+        )
         assert theirs.status_code == 403, theirs.text
         mine = patch(own_pod, {"status": {"conditions": [{**cond, "message": "mine"}]}})
         assert mine.status_code == 200, mine.text

@@ -1,6 +1,7 @@
 """The fetcher's failures are per (digest, URL), expire, and are retried (issue 34, holes 2 and
 3). The real Fetcher and cache against a real origin; the InferenceDeployments' specs come from
-a dict (tests/nodeagent/test_fetch_trust.py reads them from the real API server). No cluster."""
+a dict (tests/nodeagent/test_fetch_trust_cluster.py reads them from the real API server). No
+cluster."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 failure as its own reason, and gives up with ModelDownloading after `model_wait_seconds`; the
 agent's fetcher fills the cache from the pods it is shown. No cluster: the real cache, a real
 origin, real files; the InferenceDeployments' specs come from a dict (`_Specs`) rather than the
-API server (tests/nodeagent/test_fetch_trust.py reads them from the real one). Prewarm reads the
-agent's per-digest views (nodeagent/views.py), which a thread keeps in step with the cache here
-as the agent's loop does."""
+API server (tests/nodeagent/test_fetch_trust_cluster.py reads them from the real one). Prewarm
+reads the agent's per-digest views (nodeagent/views.py), which a thread keeps in step with the
+cache here as the agent's loop does."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pytest
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
 from ember_runtime.contract.config import ModelFetch, ModelFile, RuntimeConfig
+from ember_runtime.contract.download import Observation, progress_message
 from ember_runtime.kube import Endpoint, KubeClient
 from ember_runtime.nodeagent.cache import ContentCache, FetchError
 from ember_runtime.nodeagent.fetcher import Claim, Fetcher
@@ -137,8 +138,8 @@ def test_eta_comes_from_the_bytes_seen_growing_during_the_wait(tmp_path: Path) -
     ],
 )
 def test_progress_message(done: int, elapsed: float, expected: str) -> None:
-    first, last = cachewait.Observation(5.0, 0), cachewait.Observation(5.0 + elapsed, done)
-    assert cachewait.progress_message("a", first, last, 3_400_000_000) == f"a: {expected}"
+    first, last = Observation(5.0, 0), Observation(5.0 + elapsed, done)
+    assert progress_message("a", first, last, 3_400_000_000) == f"a: {expected}"
 
 
 def _pod(uid: str, base: str, sha: str) -> dict[str, Any]:

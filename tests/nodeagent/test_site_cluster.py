@@ -231,14 +231,13 @@ def test_agent_writes_only_its_own_annotations_and_leases(world: SiteWorld, kube
         return http.patch(f"/api/v1/nodes/{node}", content=body, headers=MERGE)
 
     with _client(world, kube, own) as http:
-        deadline_ok = False
-        for _ in range(60):  # a fresh policy takes a moment to load
-            probe = annotate(own, "ember.dev/probe")
-            if probe.status_code == 403:
-                deadline_ok = True
-                break
-            time.sleep(0.5)
-        assert deadline_ok, "the annotations policy never applied"
+        wait_for(  # a fresh policy takes a moment to load
+            "the annotations policy to refuse a probe",
+            lambda: annotate(own, "ember.dev/probe").status_code,
+            30,
+            0.5,
+            until=lambda code: code == 403,
+        )
         assert annotate(own, PEER_ANNOTATION).status_code == 200
         refused = annotate(other, PEER_ANNOTATION)
         assert refused.status_code == 403 and "own node" in refused.text

@@ -6,8 +6,8 @@ no agent runs."""
 
 from __future__ import annotations
 
+import itertools
 import ssl
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from ember_runtime.nodeagent.site import lease_name
 
 from tests.conftest import Kube
 from tests.nodeagent.site_support import SiteWorld
+from tests.support.waiting import poll
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -69,11 +70,12 @@ def test_an_agent_of_one_site_cannot_take_or_fail_another_sites_lease(
         # Site B's agent starts its download under B's Lease (once the policy with the map
         # naming every node has loaded: until then it is refused).
         _wait_for_policy(agent_b0, leases, b0)
-        for _ in range(60):
-            created = agent_b0.post(leases, json=_lease(theirs, b0))
-            if created.status_code == 201:
-                break
-            time.sleep(0.5)
+        created = poll(
+            lambda: agent_b0.post(leases, json=_lease(theirs, b0)),
+            30,
+            0.5,
+            until=lambda resp: resp.status_code == 201,
+        )
         assert created.status_code == 201, created.text
         held = agent_a0.get(f"{leases}/{theirs}").json()
 
@@ -105,12 +107,17 @@ def test_an_agent_of_one_site_cannot_take_or_fail_another_sites_lease(
 def _wait_for_policy(http: httpx.Client, leases: str, node: str) -> None:
     """A fresh policy takes a moment to load: wait until it refuses a Lease in another
     node's name (which the policy refuses whatever the map says)."""
-    for i in range(60):
-        probe = http.post(leases, json=_lease(f"ember-fetch-probe-{i:016x}", f"not-{node}"))
-        if probe.status_code == 403:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"the Lease policy never applied: {probe.status_code} {probe.text}")
+    probes = itertools.count()  # a new Lease each time
+
+    def probe() -> httpx.Response:
+        return http.post(
+            leases, json=_lease(f"ember-fetch-probe-{next(probes):016x}", f"not-{node}")
+        )
+
+    refused = poll(probe, 30, 0.5, until=lambda resp: resp.status_code == 403)
+    assert refused.status_code == 403, (
+        f"the Lease policy never applied: {refused.status_code} {refused.text}"
+    )
 
 
 def test_a_node_missing_from_the_map_gets_no_lease(world: SiteWorld, kube: Kube) -> None:

@@ -42,6 +42,7 @@ from tests.nodeagent.blobs import aged_blob
 from tests.nodeagent.origin import serve
 from tests.nodeagent.site_support import SiteWorld, model_spec, put_inference_deployment
 from tests.operator import rest
+from tests.support.waiting import wait_for
 from tests.thermal.kube_support import token_dir
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -95,11 +96,7 @@ def _reader(world: SiteWorld, kube: Kube, node: str) -> KubeClient:
 
 async def _until(done: Callable[[], bool], timeout: float, what: str) -> None:
     """Poll `done` off the loop (it may ask the API server) until true."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await asyncio.to_thread(done):
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)
+    await asyncio.to_thread(wait_for, what, done, timeout, 0.1)
 
 
 @asynccontextmanager

@@ -17,7 +17,7 @@ CRDS = Path(__file__).resolve().parents[2] / "crds"
 @pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
     """The real Gemma 3 270M GGUF (assembled into the XDG cache once)."""
-    from ember_runtime.models import default_model_path
+    from tests.support.model import default_model_path
 
     return default_model_path()
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ember_operator import render, sizing
+from ember_operator import render, sizing, status
 from ember_operator.api.models import InferenceDeploymentSpec
 from ember_operator.settings import OperatorSettings
 from ember_runtime.memory import GGUFShape
-from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256
+
+from tests.support.model import MODEL_FILENAME, MODEL_SHA256
 
 SHA = "0123456789abcdef" * 4
 # The kwok fleet's taint (tests/cluster/fleet.py): only pods that tolerate it land there.
@@ -110,3 +112,8 @@ def deployment(replicas: int, ready: int, updated: int | None = None) -> dict[st
             "updatedReplicas": replicas if updated is None else updated,
         },
     }
+
+
+def wire_status(obs: status.Observed, old: Mapping[str, Any], now: str) -> dict[str, Any]:
+    """The status the writer diffs and patches: `build_status` in its wire form."""
+    return status.to_wire(status.build_status(obs, old, now))

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256
 from kubernetes import client
 
 from tests.cluster.control_plane import NODE_NAME
@@ -29,7 +28,8 @@ from tests.e2e.flow import table_columns
 from tests.nodeagent.origin import OriginState, serve
 from tests.operator import rest
 from tests.operator.specs import manifest
-from tests.operator.test_node_reasons import RESOURCES, runtime_image  # noqa: F401 - fixture
+from tests.operator.test_reasons_node import RESOURCES, runtime_image  # noqa: F401 - fixture
+from tests.support.model import MODEL_FILENAME, MODEL_SHA256
 from tests.support.waiting import wait_for
 from tests.thermal.kube_support import NODEAGENT_TEMPLATES, chart_objects, kubectl_apply, token_dir
 

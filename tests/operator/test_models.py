@@ -11,7 +11,7 @@ from ember_operator.api.models import (
     EngineKind,
     InferenceDeploymentStatus,
     ModelFormat,
-    ThermalPolicy,
+    ThermalPolicyMode,
     parse_spec,
 )
 from pydantic import ValidationError
@@ -72,7 +72,10 @@ def test_invalid_specs_fail_to_parse(overrides: dict[str, Any], fragment: str) -
 def test_static_thermal_policy_reads_as_written_and_off_is_its_old_name() -> None:
     static = parse_spec(manifest(**yaml.safe_load("thermal: {policy: static}"))["spec"])
     off = parse_spec(manifest(**yaml.safe_load('thermal: {policy: "off"}'))["spec"])
-    assert (static.thermal.policy, off.thermal.policy) == (ThermalPolicy.STATIC, ThermalPolicy.OFF)
+    assert (static.thermal.policy, off.thermal.policy) == (
+        ThermalPolicyMode.STATIC,
+        ThermalPolicyMode.OFF,
+    )
     assert static.thermal.adaptive is False and off.thermal.adaptive is False
     assert parse_spec(manifest()["spec"]).thermal.adaptive is True
 

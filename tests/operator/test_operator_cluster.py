@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_operator.render import SITE_LABEL
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import cache_label
-from ember_runtime.prewarm import cachewait
+from ember_runtime.contract.download import Observation, progress_message
+from ember_runtime.contract.resource import SITE_LABEL
 from ember_runtime.prewarm.errors import ChecksumMismatch
 
 from tests.operator import rest
@@ -488,12 +488,7 @@ def test_http_source_prefers_cached_nodes_and_shows_each_nodes_download(
     for i, p in enumerate(sorted(pods, key=lambda p: p["spec"]["nodeName"])):
         node = p["spec"]["nodeName"]
         done = (i + 1) * 600_000_000
-        detail = cachewait.progress_message(
-            node,
-            cachewait.Observation(0.0, 0),
-            cachewait.Observation(60.0, done),
-            3_400_000_000,
-        )
+        detail = progress_message(node, Observation(0.0, 0), Observation(60.0, done), 3_400_000_000)
         reports[p["metadata"]["name"]] = detail
         _report_prewarm(kube, namespace, p["metadata"]["name"], detail)
     both = "2 nodes wait for the model: " + "; ".join(sorted(reports.values()))

@@ -10,6 +10,8 @@ import time
 
 from ember_operator.requeue import MAX_BACKOFF_SECONDS, Coalescer, Requeue, backoff
 
+from tests.support.waiting import wait_async
+
 
 def test_backoff_doubles_and_is_capped() -> None:
     assert [backoff(a) for a in range(4)] == [5.0, 10.0, 20.0, 40.0]
@@ -44,10 +46,7 @@ def test_run_calls_the_work_for_due_entries() -> None:
         queue.later(("ns", "a"), attempt=0)
         queue.put(("ns", "a"), 0.0, 1)  # due now, without waiting 5 s
         task = asyncio.create_task(queue.run(lambda key, attempt: done.append((key, attempt))))
-        for _ in range(40):
-            if done:
-                break
-            await asyncio.sleep(0.05)
+        await wait_async("the due entry's work", lambda: done, 2, 0.05)
         task.cancel()
 
     asyncio.run(main())
@@ -95,16 +94,10 @@ def test_a_slow_status_write_does_not_hold_back_the_others() -> None:
         for key in keys:
             refreshes.mark(key)
         task = asyncio.create_task(refreshes.run(work, tick=0.01))
-        for _ in range(200):
-            if len(written) == len(keys) - 1:
-                break
-            await asyncio.sleep(0.01)
+        await wait_async("all but the stuck key", lambda: len(written) == len(keys) - 1, 2, 0.01)
         before_release = list(written)
         release.set()
-        for _ in range(200):
-            if len(written) == len(keys):
-                break
-            await asyncio.sleep(0.01)
+        await wait_async("every key", lambda: len(written) == len(keys), 2, 0.01)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -135,11 +128,8 @@ def test_a_key_marked_again_while_queued_is_refreshed_once() -> None:
             refreshes.mark(("ns", "a"))
             await asyncio.sleep(0.03)  # each mark falls due and is taken while "a" is queued
         gate.set()
-        for _ in range(100):
-            if len(calls) == 2:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
+        await wait_async("both refreshes", lambda: len(calls) == 2, 1, 0.01)
+        await asyncio.sleep(0.1)  # time for a third, which must not come
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -116,7 +116,7 @@ def test_a_bad_version_rolls_back_from_the_site_cache_with_no_wan_fetch(
         wait_for("v1 everywhere", lambda: _rollout(kube, namespace).get("phase") == "Complete", 120)
         first = _revision(kube, namespace, world.site)
         wait_for(
-            "v1 in the agent's cache", lambda: agent.cache.has(SHA1, SIZE), 60, on_fail=world.logs()
+            "v1 in the agent's cache", lambda: agent.cache.has(SHA1, SIZE), 60, on_fail=world.logs
         )
 
         # A wrong digest: the site's agent stages it, the bytes do not match, the site fails
@@ -133,7 +133,7 @@ def test_a_bad_version_rolls_back_from_the_site_cache_with_no_wan_fetch(
         # A good digest that fails on the site once its pod changed: back to v1 from the cache.
         model3 = _model(f"{base}/v3.gguf", SHA3)
         rest.merge_patch(kube.api, "infd", namespace, "roll", {"spec": {"model": model3}})
-        wait_for("v3 staged", lambda: agent.cache.has(SHA3, SIZE), 60, on_fail=world.logs())
+        wait_for("v3 staged", lambda: agent.cache.has(SHA3, SIZE), 60, on_fail=world.logs)
         node: Any = kube.core.read_node(world.nodes[0])
         assert (node.metadata.labels or {}).get(cache_label(SHA3)) == "true"
         _fail_new_pod(kube, namespace, first)

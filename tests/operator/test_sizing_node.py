@@ -19,14 +19,14 @@ from typing import Any
 import httpx
 import pytest
 from ember_runtime.contract import reasons
-from ember_runtime.models import MODEL_FILENAME
 
 from tests.cluster.paths import bin_dir
 from tests.cluster.procs import port_forward
 from tests.conftest import Kube
 from tests.operator import rest
 from tests.operator.specs import hostpath_model, manifest
-from tests.operator.test_node_reasons import MODELS, runtime_image  # noqa: F401 - fixture
+from tests.operator.test_reasons_node import MODELS, runtime_image  # noqa: F401 - fixture
+from tests.support.model import MODEL_FILENAME
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]

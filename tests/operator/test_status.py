@@ -12,7 +12,7 @@ from ember_operator.status_writer import PodEvents, worth_an_event
 from ember_runtime.contract import reasons
 from ember_runtime.prewarm.errors import ChecksumMismatch
 
-from tests.operator.specs import deployment
+from tests.operator.specs import deployment, wire_status
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -35,7 +35,7 @@ def _conds(st: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 
 def test_all_ready() -> None:
-    st = status.compute_status(_obs(), {}, NOW)
+    st = wire_status(_obs(), {}, NOW)
     assert _conds(st) == {
         "Ready": ("True", "AllReplicasReady"),
         "Progressing": ("False", "RolloutComplete"),
@@ -48,7 +48,7 @@ def test_all_ready() -> None:
 
 
 def test_rolling_out() -> None:
-    st = status.compute_status(_obs(deployment=deployment(3, 1, updated=2)), {}, NOW)
+    st = wire_status(_obs(deployment=deployment(3, 1, updated=2)), {}, NOW)
     assert _conds(st)["Ready"] == ("False", "ReplicasNotReady")
     assert _conds(st)["Progressing"] == ("True", "RollingOut")
     assert _conds(st)["Reconciling"] == ("True", "RollingOut")  # kstatus: InProgress
@@ -64,7 +64,7 @@ def _pod(status_: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[st
 
 
 def _degraded(summary: dict[str, Any]) -> dict[str, Any]:
-    st = status.compute_status(_obs(deployment=deployment(3, 2), pods=[summary]), {}, NOW)
+    st = wire_status(_obs(deployment=deployment(3, 2), pods=[summary]), {}, NOW)
     return next(c for c in st["conditions"] if c["type"] == "Degraded")
 
 
@@ -213,9 +213,7 @@ def test_pod_events_store_keeps_the_specific_message() -> None:
 
 
 def test_problem_blocks_ready() -> None:
-    st = status.compute_status(
-        _obs(problems=[Problem("SharedMemoryTooSmall", "too small")]), {}, NOW
-    )
+    st = wire_status(_obs(problems=[Problem("SharedMemoryTooSmall", "too small")]), {}, NOW)
     assert _conds(st)["Degraded"] == ("True", "SharedMemoryTooSmall")
     assert _conds(st)["Ready"][0] == "False"
     assert _conds(st)["Stalled"] == ("True", "SharedMemoryTooSmall")  # kstatus: Failed
@@ -235,7 +233,7 @@ def test_a_site_rollout_sets_the_conditions(
     phase: str, progressing: tuple[str, str], degraded: str, reconciling: str, stalled: str
 ) -> None:
     rollout = {"phase": phase, "summary": "canary 0/1 " + phase, "message": "site a failed"}
-    st = status.compute_status(dataclasses.replace(_obs(), rollout=rollout), {}, NOW)
+    st = wire_status(dataclasses.replace(_obs(), rollout=rollout), {}, NOW)
     conds = _conds(st)
     assert conds["Progressing"] == progressing
     assert conds["Degraded"][0] == degraded
@@ -253,11 +251,11 @@ def test_a_rollout_key_that_goes_away_is_sent_as_null() -> None:
 
 
 def test_transition_time_only_moves_on_status_change() -> None:
-    first = status.compute_status(_obs(deployment=deployment(3, 1)), {}, NOW)
-    again = status.compute_status(_obs(deployment=deployment(3, 1)), first, LATER)
+    first = wire_status(_obs(deployment=deployment(3, 1)), {}, NOW)
+    again = wire_status(_obs(deployment=deployment(3, 1)), first, LATER)
     assert again == first
     assert status.changed_fields(again, first) == {}
-    ready = status.compute_status(_obs(), first, LATER)
+    ready = wire_status(_obs(), first, LATER)
     times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
     assert times["Ready"] == LATER and times["Degraded"] == NOW
     assert set(status.changed_fields(ready, first)) == {
@@ -274,7 +272,7 @@ def test_thermal_fields_of_replicas_are_kept() -> None:
         {"pod": "a", "node": "n1", "phase": "Running"},
     ]
     old = {"replicaStatuses": [{"pod": "a", "temperatureCelsius": 80.5, "maxBatchSize": 4}]}
-    st = status.compute_status(_obs(pods=pods), old, NOW)
+    st = wire_status(_obs(pods=pods), old, NOW)
     assert st["replicaStatuses"] == [
         {
             "pod": "a",
@@ -304,7 +302,7 @@ def test_thermal_report_fills_rows_hottest_and_condition() -> None:
     thermal = status.Thermal(
         {"p-0": {"temperatureCelsius": 84, "maxBatchSize": 13}}, 84, _throttled(True)
     )
-    st = status.compute_status(_obs(pods=PODS, thermal=thermal), {}, NOW)
+    st = wire_status(_obs(pods=PODS, thermal=thermal), {}, NOW)
     assert st["replicaStatuses"] == [
         {
             "pod": "p-0",
@@ -319,20 +317,15 @@ def test_thermal_report_fills_rows_hottest_and_condition() -> None:
     assert st["maxBatchSize"] == 13  # the tightest limit across replicas (p-1 has none yet)
     assert _conds(st)["Throttled"] == ("True", "ThermalThrottling")
     # Same inputs again: nothing changes, not even a timestamp (steady state writes nothing).
-    assert (
-        status.changed_fields(
-            status.compute_status(_obs(pods=PODS, thermal=thermal), st, LATER), st
-        )
-        == {}
-    )
+    assert status.changed_fields(wire_status(_obs(pods=PODS, thermal=thermal), st, LATER), st) == {}
 
 
 def test_no_thermal_tick_keeps_what_status_holds() -> None:
     thermal = status.Thermal(
         {"p-0": {"temperatureCelsius": 84, "maxBatchSize": 13}}, 84, _throttled(True)
     )
-    before = status.compute_status(_obs(pods=PODS, thermal=thermal), {}, NOW)
-    after = status.compute_status(_obs(pods=PODS), before, LATER)  # e.g. just restarted
+    before = wire_status(_obs(pods=PODS, thermal=thermal), {}, NOW)
+    after = wire_status(_obs(pods=PODS), before, LATER)  # e.g. just restarted
     assert status.changed_fields(after, before) == {}
 
 
@@ -343,8 +336,8 @@ def test_cooling_flips_throttled_with_a_new_transition_time() -> None:
     cool = status.Thermal(
         {"p-0": {"temperatureCelsius": 70, "maxBatchSize": 16}}, 70, _throttled(False)
     )
-    before = status.compute_status(_obs(pods=PODS, thermal=hot), {}, NOW)
-    after = status.compute_status(_obs(pods=PODS, thermal=cool), before, LATER)
+    before = wire_status(_obs(pods=PODS, thermal=hot), {}, NOW)
+    after = wire_status(_obs(pods=PODS, thermal=cool), before, LATER)
     changed = status.changed_fields(after, before)
     assert set(changed) == {"conditions", "replicaStatuses", "hottestCelsius", "maxBatchSize"}
     assert changed["maxBatchSize"] == 16
@@ -381,7 +374,7 @@ def test_thermal_of_folds_the_replicas_own_conditions() -> None:
     }
     assert thermal.throttled["status"] == "True"
     assert thermal.throttled["message"] == "a at 84 °C: batch 13/16"
-    st = status.compute_status(_obs(pods=pods, thermal=thermal), {}, NOW)
+    st = wire_status(_obs(pods=pods, thermal=thermal), {}, NOW)
     assert (st["hottestCelsius"], st["maxBatchSize"]) == (84, 13)
     off = status.thermal_of(pods, adaptive=False)
     assert off.throttled["reason"] == "ThermalPolicyOff"
@@ -403,26 +396,24 @@ def test_joules_per_token_per_replica_and_their_mean() -> None:
         "maxBatchSize": 16,
         "joulesPerToken": 0.42,
     }
-    st = status.compute_status(_obs(pods=pods, thermal=thermal), {}, NOW)
+    st = wire_status(_obs(pods=pods, thermal=thermal), {}, NOW)
     rows = {r["pod"]: r.get("joulesPerToken") for r in st["replicaStatuses"]}
     assert rows == {"a": 0.42, "b": 0.5, "c": None}
     assert st["joulesPerToken"] == 0.46  # (0.42 + 0.5) / 2, two significant digits
     # b's next report has no figure (no tokens for a minute): its row and the mean follow.
     pods = [pod("a", 0.42), pod("b", None), pod("c", None)]
-    later = status.compute_status(
-        _obs(pods=pods, thermal=status.thermal_of(pods, adaptive=True)), st, LATER
-    )
+    later = wire_status(_obs(pods=pods, thermal=status.thermal_of(pods, adaptive=True)), st, LATER)
     assert [r.get("joulesPerToken") for r in later["replicaStatuses"]] == [0.42, None, None]
     assert later["joulesPerToken"] == 0.42
     # No figure anywhere: the field goes, and so does the J/Token column's value.
     pods = [pod("a", None)]
-    none = status.compute_status(
+    none = wire_status(
         _obs(pods=pods, thermal=status.thermal_of(pods, adaptive=True)), later, LATER
     )
     assert "joulesPerToken" not in none
     assert status.changed_fields(none, later)["joulesPerToken"] is None  # the patch drops it
     # No thermal tick (e.g. the operator just restarted): the rows keep what status holds.
-    kept = status.compute_status(_obs(pods=[{"pod": "a", "phase": "Running"}]), st, LATER)
+    kept = wire_status(_obs(pods=[{"pod": "a", "phase": "Running"}]), st, LATER)
     assert kept["joulesPerToken"] == 0.42
 
 
@@ -451,7 +442,7 @@ def test_a_replica_without_a_sensor_says_why_in_throttled() -> None:
         "message": f"all replicas run at max batch 16; sensor problems: gpu-0: {why}",
     }
     assert thermal.replicas == {"gpu-0": {"maxBatchSize": 16}}  # no sensorProblem in replicas
-    st = status.compute_status(_obs(pods=pods, thermal=thermal), {}, NOW)
+    st = wire_status(_obs(pods=pods, thermal=thermal), {}, NOW)
     throttled = next(c for c in st["conditions"] if c["type"] == "Throttled")
     assert throttled["reason"] == "SensorUnavailable" and why in throttled["message"]
 
@@ -529,7 +520,7 @@ def test_model_downloading_lists_every_waiting_node_once() -> None:
         _waiting_pod("p-1", "node-a", "node-a: 1.2 of 3.4 GB in the node cache, ETA 2m10s"),
         _waiting_pod("p-2", "node-b", "node-b: 0.5 of 3.4 GB in the node cache, ETA 9m00s"),
     ]
-    st = status.compute_status(_obs(deployment=deployment(3, 0), pods=pods), {}, NOW)
+    st = wire_status(_obs(deployment=deployment(3, 0), pods=pods), {}, NOW)
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert st["reason"] == "ModelDownloading"
     assert degraded["message"] == (
@@ -551,7 +542,7 @@ def test_an_older_prewarms_message_gets_its_node_and_a_real_failure_wins() -> No
 
 
 def _degraded_of(pods: list[dict[str, Any]]) -> dict[str, Any]:
-    st = status.compute_status(_obs(deployment=deployment(3, 0), pods=pods), {}, NOW)
+    st = wire_status(_obs(deployment=deployment(3, 0), pods=pods), {}, NOW)
     return next(c for c in st["conditions"] if c["type"] == "Degraded")
 
 

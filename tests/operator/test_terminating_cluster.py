@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 from ember_operator.apply import namespace_terminating
+from ember_operator.events import ObjectRef, record_event
 from ember_operator.status_writer import _announce_degraded
-from ember_operator.thermal.actions import ObjectRef, record_event
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 

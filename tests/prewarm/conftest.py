@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from ember_runtime.contract.config import ModelFile, RuntimeConfig
-from ember_runtime.models import default_model_path, sha256_file
+
+from tests.support.model import default_model_path, sha256_file
 
 CLI = [sys.executable, "-m", "ember_runtime.prewarm"]
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from ember_runtime.contract import reasons
 from ember_runtime.contract.config import ModelFile
-from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256, MODEL_SIZE_BYTES
+from ember_runtime.contract.manifest import MANIFEST_NAME, read_manifest, resolve_model_path
 from ember_runtime.prewarm.copy import PARTIAL_MARKER
-from ember_runtime.prewarm.manifest import MANIFEST_NAME, read_manifest, resolve_model_path
 
 from tests.prewarm.conftest import CLI, MakeSetup, run_cli
+from tests.support.model import MODEL_FILENAME, MODEL_SHA256, MODEL_SIZE_BYTES
 
 HALF_GIB = 1 << 29
 

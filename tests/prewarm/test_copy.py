@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 from ember_runtime.contract.config import ModelFile
+from ember_runtime.contract.manifest import MANIFEST_NAME, read_manifest
 from ember_runtime.prewarm.checks import Preflight
 from ember_runtime.prewarm.copy import CopyOptions, copy_all, copy_verified, remove_partials
 from ember_runtime.prewarm.errors import ChecksumMismatch, Interrupted, PrewarmError, SizeMismatch
-from ember_runtime.prewarm.manifest import MANIFEST_NAME, read_manifest
 from ember_runtime.prewarm.progress import Progress
 from ember_runtime.prewarm.run import prewarm
 

@@ -6,9 +6,9 @@ import io
 import threading
 
 import pytest
+from ember_runtime.contract.manifest import MANIFEST_NAME, manifest_matches, resolve_model_path
 from ember_runtime.prewarm.checks import Preflight
 from ember_runtime.prewarm.copy import CopyOptions
-from ember_runtime.prewarm.manifest import MANIFEST_NAME, manifest_matches, resolve_model_path
 from ember_runtime.prewarm.run import prewarm
 
 from tests.prewarm.conftest import MakeSetup, Setup

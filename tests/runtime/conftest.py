@@ -9,7 +9,6 @@ port) so parallel sessions never collide.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +16,12 @@ from pathlib import Path
 import pytest
 import uvicorn
 from ember_runtime.contract.config import RuntimeConfig
-from ember_runtime.models import default_model_path
 from ember_runtime.server.app import create_app
 from ember_runtime.server.state import AppState
 from starlette.applications import Starlette
+
+from tests.support.model import default_model_path
+from tests.support.waiting import wait_for
 
 CAPACITY = 4
 CONTEXT = 512
@@ -49,11 +50,13 @@ def start_live(app: Starlette, port: int = 0) -> LiveServer:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.05)
+
+    def started() -> bool:
+        if not server.started and not thread.is_alive():
+            raise RuntimeError("the test server's thread ended before it started")
+        return bool(server.started)
+
+    wait_for("the test server to start", started, 120, 0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
     return LiveServer(app, server, thread, f"http://127.0.0.1:{port}")
 

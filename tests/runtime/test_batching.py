@@ -20,6 +20,7 @@ from ember_runtime.engines.base import QueueFullError, SamplingParams
 from ember_runtime.engines.llamacpp import LlamaCppEngine
 
 from tests.runtime.test_generation import PROMPTS as HTTP_PROMPTS
+from tests.support.waiting import wait_async
 
 LONG = (  # 70+ tokens: llama.cpp attends over 64+ prompt rows with a tiled kernel
     "Write a long, detailed story about {}. Describe the setting, the weather, the sounds and "
@@ -126,8 +127,8 @@ async def test_unified_pool_shares_a_running_prompt(model_path: Path) -> None:
         total = len(engine.tokenize(head + tail, add_special=True))
         tokens = engine.tokenize(head, add_special=True)
         first = engine.submit(tokens, SamplingParams(max_tokens=200))  # runs throughout
-        while engine.state().steps < 2:  # its prompt is in, it decodes
-            await asyncio.sleep(0.005)
+        what = "the first request's prompt in and its decoding started"
+        await wait_async(what, lambda: engine.state().steps >= 2, 120, 0.005)
         second = await greedy(engine, head + tail)
         assert engine.state().active == 1, "the first request should still be running"
         first.cancel()

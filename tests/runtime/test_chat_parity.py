@@ -13,7 +13,6 @@ end-of-turn stop shows up here as different tokens.
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from ember_runtime.engines.base import ChatMessage
 from images.llama_build import ensure_llama_server
 from tests.runtime.conftest import CONTEXT, LiveServer
 from tests.support.net import free_port
+from tests.support.waiting import wait_for
 
 DEMO_QUESTION = "In one sentence, why do edge devices throttle when they get hot?"  # make demo
 CONVERSATIONS: list[list[dict[str, str]]] = [
@@ -62,17 +62,12 @@ def llama_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError("llama-server did not become healthy")
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+
+    wait_for("llama-server to be healthy", healthy, 120, 0.25, tolerate=(httpx.TransportError,))
 
 
 def _reference_tokens(url: str, messages: list[dict[str, str]]) -> list[int]:

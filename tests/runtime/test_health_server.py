@@ -240,7 +240,7 @@ def test_the_runtime_patches_its_pods_health_condition(tmp_path: Path) -> None:
             "a health condition with the requests sent",
             lambda: _reported(api, sent),
             timeout=60,
-            on_fail=proc.log.read_text()[-2000:],
+            on_fail=lambda: proc.log.read_text()[-2000:],
         )
     finally:
         proc.stop()

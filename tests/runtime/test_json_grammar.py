@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 from ember_runtime.engines.grammar import for_response_format
-from ember_runtime.engines.llamacpp import LlamaCppEngine, _Grammar
+from ember_runtime.engines.llamacpp import LlamaCppEngine
 
 from tests.runtime.conftest import LiveServer
 
@@ -28,11 +28,10 @@ BAD = ['{"name": "line\nbreak", "tags": []}', '{"name": "tab\there", "tags": []}
 
 def accepts(engine: LlamaCppEngine, grammar: str, text: str) -> bool:
     """Whether the grammar lets every token of `text` through (the engine's own mask)."""
-    # The engine's internals: the grammar sampler needs its vocabulary.
-    mask = _Grammar(engine._ll, engine._vocab, engine._n_vocab, grammar)
+    mask = engine.grammars.compile(grammar)
     try:
         for tok in engine.tokenize(text, add_special=False):
-            if not np.isfinite(mask.mask(np.zeros(engine._n_vocab, np.float32))[tok]):
+            if not np.isfinite(mask.mask(np.zeros(engine.vocab.size, np.float32))[tok]):
                 return False
             mask.accept(tok)
         return True

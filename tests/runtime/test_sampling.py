@@ -199,11 +199,22 @@ def test_top_set_holds_the_best_tokens() -> None:
 
 
 def test_the_sampler_pool_takes_spare_cores_only() -> None:
-    from ember_runtime.engines.llamacpp import _sampler_pool
+    from ember_runtime.engines.draw import sampler_pool
 
     cores = len(os.sched_getaffinity(0))
-    assert _sampler_pool(cores, None) is None  # llama.cpp's threads take every core
-    assert _sampler_pool(1, 0) is None  # switched off
-    pool = _sampler_pool(cores, 3)  # asked for: three threads whatever the cores
+    assert sampler_pool(cores, None) is None  # llama.cpp's threads take every core
+    assert sampler_pool(1, 0) is None  # switched off
+    pool = sampler_pool(cores, 3)  # asked for: three threads whatever the cores
     assert pool is not None and pool._max_workers == 3
     pool.shutdown()
+
+
+def test_logprobs_are_a_log_softmax_with_the_best_first() -> None:
+    row = np.array([1.0, 3.0, 2.0, 3.0 - np.log(2.0)], dtype=np.float32)
+    chosen, top = sampling.logprobs(row, 2, 2)
+    total = np.log(np.exp(row.astype(np.float64)).sum())
+    assert chosen == pytest.approx(2.0 - total, abs=1e-6)
+    assert [t for t, _ in top] == [1, 3]
+    assert top[0][1] - top[1][1] == pytest.approx(np.log(2.0), abs=1e-6)
+    assert sampling.logprobs(row, 0, 0)[1] == []
+    assert sampling.greedy(row) == 1

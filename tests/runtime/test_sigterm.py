@@ -8,12 +8,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from tests.support.net import free_port
+from tests.support.waiting import wait_for
 
 
 def test_sigterm_drains_in_flight_streams(model_path: Path, tmp_path: Path) -> None:
@@ -46,16 +46,12 @@ def test_sigterm_drains_in_flight_streams(model_path: Path, tmp_path: Path) -> N
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
+
+        def ready() -> bool:
             assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            try:
-                if httpx.get(base + "/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server never became ready"
-            time.sleep(0.2)
+            return httpx.get(base + "/readyz").status_code == 200
+
+        wait_for("the server to be ready", ready, 120, 0.2, tolerate=(httpx.TransportError,))
 
         body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stream": True}
         with (

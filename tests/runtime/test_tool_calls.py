@@ -22,7 +22,7 @@ import pytest
 from ember_runtime.engines import tools as fmt
 from ember_runtime.engines.base import ChatMessage, Delta, ToolCall
 from ember_runtime.engines.chat import render_template
-from ember_runtime.engines.llamacpp import LlamaCppEngine, _Grammar
+from ember_runtime.engines.llamacpp import LlamaCppEngine
 from ember_runtime.server.toolcalls import ToolPlan, reply
 from ember_runtime.server.toolstream import ToolSSEFramer
 from openai import AsyncOpenAI
@@ -397,30 +397,22 @@ def test_free_text_fast_path_allows_exactly_what_the_full_check_allows(
     server: LiveServer,
 ) -> None:
     """Under auto the engine checks only the tokens that could start a call while the text is
-    free (engines/llamacpp.py, _Grammar); step by step it must allow what the full check does."""
+    free (engines/grammar_mask.py); step by step it must allow what the full check does."""
     engine = server.state.engine
     assert isinstance(engine, LlamaCppEngine)
     text = "Wetter in Köln: 7 °C, <b>nass</b> 🌧 <tool_call>\n" + TIME_CALL[len("<tool_call>\n") :]
     grammar = _grammar(parallel=False, free_text=True)
-    full = _Grammar(engine._ll, engine._vocab, engine._n_vocab, grammar)
-    fast = _Grammar(
-        engine._ll,
-        engine._vocab,
-        engine._n_vocab,
-        grammar,
-        free_until=fmt.OPEN.encode(),
-        risky=engine._risky_tokens,
-        piece=lambda t: engine._token_bytes(t, special=True),
-    )
-    row = np.zeros(engine._n_vocab, np.float32)
+    full = engine.grammars.compile(grammar)
+    fast = engine.grammars.compile(grammar, free_until=fmt.OPEN)
+    row = np.zeros(engine.vocab.size, np.float32)
     free_steps = 0
     try:
         for tok in engine.tokenize(text, add_special=False):
-            free_steps += fast._free()
+            free_steps += fast.in_free_text()
             allowed = np.isfinite(full.mask(row))
             quick = np.isfinite(fast.mask(row))
             diff = np.nonzero(allowed != quick)[0][:8]
-            pieces = [engine._token_bytes(int(d), special=True) for d in diff]
+            pieces = [engine.vocab.token_bytes(int(d), special=True) for d in diff]
             assert not len(diff), (tok, pieces)
             assert allowed[tok]
             full.accept(tok)

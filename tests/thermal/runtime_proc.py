@@ -10,22 +10,22 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from ember_runtime.contract.config import (
-    EngineSettings,
+    EngineConfig,
     RuntimeConfig,
-    SensorSettings,
-    ServerSettings,
+    SensorConfig,
+    ServerConfig,
 )
 from ember_runtime.contract.thermal import ThermalPolicy
-from ember_runtime.models import default_model_path
 
+from tests.support.model import default_model_path
 from tests.support.net import free_port
+from tests.support.waiting import WaitTimeout, wait_for
 
 
 @dataclass
@@ -86,19 +86,19 @@ def start_runtime(
     config = RuntimeConfig(
         model_name=model_name,
         model_dir=str(model.parent),
-        engine=EngineSettings(
+        engine=EngineConfig(
             max_batch_size=max_batch,
             context_length=context,
             threads=threads,
         ),
-        server=ServerSettings(
+        server=ServerConfig(
             host=host,
             port=port,
             api_key_file=str(key_file) if key_file else None,
             request_timeout_seconds=120,
             **({"max_queue": max_queue} if max_queue is not None else {}),
         ),
-        sensors=SensorSettings(
+        sensors=SensorConfig(
             sysfs_root=str(sysfs_root),
             interval_seconds=interval,
             nvml=nvml,
@@ -132,15 +132,22 @@ def start_runtime(
         )
     url = f"http://{host}:{port}"
     running = RuntimeProcess(proc, url, log)
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"runtime exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return running
-        except httpx.TransportError:
-            pass
-        time.sleep(poll)
-    running.stop()
-    raise RuntimeError(f"runtime not ready in {ready_timeout:.0f} s:\n{log.read_text()[-3000:]}")
+        return httpx.get(f"{url}/readyz", timeout=1).status_code == 200
+
+    try:
+        wait_for(
+            "the runtime to be ready",
+            ready,
+            ready_timeout,
+            poll,
+            tolerate=(httpx.TransportError,),
+            on_fail=lambda: log.read_text()[-3000:],
+        )
+    except WaitTimeout:
+        running.stop()
+        raise
+    return running

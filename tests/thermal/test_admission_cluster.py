@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from ember_runtime.contract.thermal import (
 from ember_runtime.kube import ConditionPatcher, Endpoint, pod_status_path
 
 from tests.conftest import Kube
+from tests.support.waiting import poll, wait_for
 from tests.thermal.kube_support import (
     kubectl_apply,
     parked_pod,
@@ -85,10 +85,12 @@ def _conditions(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
 
 
 def _wait_scheduled_condition(kube: Kube, namespace: str, name: str) -> None:
-    deadline = time.monotonic() + 30
-    while "PodScheduled" not in _conditions(kube, namespace, name):
-        assert time.monotonic() < deadline, "the scheduler never wrote PodScheduled"
-        time.sleep(0.2)
+    wait_for(
+        f"the scheduler to write {name}'s PodScheduled",
+        lambda: "PodScheduled" in _conditions(kube, namespace, name),
+        30,
+        0.2,
+    )
 
 
 def _cond(message: str = "84 °C, batch 13/16", ctype: str = THERMAL_CONDITION) -> dict[str, Any]:
@@ -107,14 +109,16 @@ def _patch(http: httpx.Client, namespace: str, pod: str, body: dict[str, Any]) -
 
 def _admitted_eventually(http: httpx.Client, namespace: str, pod: str) -> None:
     """A new policy takes a moment to load: wait until a label write is refused by it."""
-    deadline = time.monotonic() + 30
-    while True:
+
+    def probe() -> httpx.Response:
         # A new value each time: re-writing the value an admitted probe set would be no change.
-        resp = _patch(http, namespace, pod, {"metadata": {"labels": {"probe": uuid.uuid4().hex}}})
-        if resp.status_code >= 400 and "labels" in resp.text:
-            return
-        assert time.monotonic() < deadline, f"the policy never applied: {resp.text}"
-        time.sleep(0.5)
+        return _patch(http, namespace, pod, {"metadata": {"labels": {"probe": uuid.uuid4().hex}}})
+
+    def refused(resp: httpx.Response) -> bool:
+        return resp.status_code >= 400 and "labels" in resp.text
+
+    resp = poll(probe, 30, 0.5, until=refused)
+    assert refused(resp), f"the policy never applied: {resp.text}"
 
 
 def test_token_names_its_pod(kube: Kube, namespace: str, pods: Any) -> None:

@@ -9,14 +9,14 @@ import logging
 import re
 import stat
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from ember_runtime.contract.config import SensorSettings
+from ember_runtime.contract.config import SensorConfig
 from ember_runtime.contract.thermal import ThermalReading, decode_report
+from ember_runtime.reporter import ConditionReporter, joules_moved
 from ember_runtime.sensors import SensorUnavailableError, build_source, telemetry_of
 from ember_runtime.sensors.npu_smi import NpuSmiReader, parse_npu_smi_power
 from ember_runtime.sensors.nvml import NvmlReader
@@ -35,9 +35,9 @@ from ember_runtime.sensors.power import (
     primary,
 )
 from ember_runtime.server.metrics import Metrics
-from ember_runtime.thermal.reporter import ConditionReporter, joules_moved
 from prometheus_client import generate_latest
 
+from tests.support.waiting import wait_for
 from tests.thermal.conftest import API_KEY, FIXTURES, FakeThermalTree
 
 
@@ -228,7 +228,7 @@ def test_nvml_without_an_energy_counter_keeps_power(monkeypatch: pytest.MonkeyPa
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)  # pre-Volta
 
     _fake_gpus(monkeypatch, not_supported)
-    source = build_source(SensorSettings(nvml=True, zone_types=["none"]))
+    source = build_source(SensorConfig(nvml=True, zone_types=["none"]))
     assert source.read() == {"gpu0": 50.0, "gpu1": 50.0}  # the temperature is kept
     assert accelerator_power(telemetry_of(source))["nvml"]["gpu0"] == PowerReading(watts=300.0)
 
@@ -501,14 +501,6 @@ def _metric(text: str, name: str) -> float | None:
     return None if found is None else float(found.group(1))
 
 
-def _wait(check: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-    return value
-
-
 def test_runtime_reports_joules_per_token_from_a_rapl_counter(
     runtime: tuple[Any, FakeThermalTree],
 ) -> None:
@@ -524,7 +516,10 @@ def test_runtime_reports_joules_per_token_from_a_rapl_counter(
             return str(client.get("/metrics").text)
 
         # Two samples of the counter: the window has its start (no tokens yet, no figure).
-        _wait(lambda: _metric(scrape(), "ember_energy_joules_total") is not None, 10)
+        def figured() -> bool:
+            return _metric(scrape(), "ember_energy_joules_total") is not None
+
+        wait_for("the energy counter's first figure", figured, 10, 0.05)
         assert _metric(scrape(), "ember_joules_per_output_token") is None
         answer = client.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 16})
         assert answer.status_code == 200, answer.text
@@ -532,11 +527,10 @@ def test_runtime_reports_joules_per_token_from_a_rapl_counter(
         assert tokens > 0
         set_energy(zone, 1_000_000 + 24_000_000)  # 24 J used since the window began
 
-        def counted() -> str:
-            text = scrape()
-            return text if _metric(text, "ember_energy_joules_total") == 24.0 else ""
+        def counted(text: str) -> bool:
+            return _metric(text, "ember_energy_joules_total") == 24.0
 
-        text = _wait(counted, 10)
+        text = wait_for("the 24 J to be counted", scrape, 10, 0.05, until=counted)
     per_token = _metric(text, "ember_joules_per_output_token")
     assert per_token == pytest.approx(24.0 / tokens)
     assert 'ember_joules_per_output_token{source="rapl"}' in text

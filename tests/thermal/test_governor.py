@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from ember_runtime.contract.thermal import ThermalPolicy, ThermalReading, decode_report
+from ember_runtime.reporter import ConditionReporter, worth_reporting
 from ember_runtime.thermal.governor import Governor
-from ember_runtime.thermal.reporter import ConditionReporter, worth_reporting
 
 POLICY = ThermalPolicy(min_batch_size=4, throttle_celsius=78)  # on engines of 16, below
 
@@ -224,24 +224,24 @@ def test_node_agent_classifies_the_hottest_sensor() -> None:
 def test_no_api_access_means_no_reporter_not_a_crash(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    from ember_runtime.contract.config import RuntimeConfig, SensorSettings
-    from ember_runtime.server.app import pod_reporter
+    from ember_runtime.contract.config import RuntimeConfig, SensorConfig
+    from ember_runtime.server.app import pod_reporters
 
     config = RuntimeConfig(
-        model_name="m", model_dir="/m", sensors=SensorSettings(report_condition=True)
+        model_name="m", model_dir="/m", sensors=SensorConfig(report_condition=True)
     )
     monkeypatch.setenv("POD_NAME", "p")
     monkeypatch.setenv("POD_NAMESPACE", "ns")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    assert pod_reporter(config) is None  # not in a pod
+    assert pod_reporters(config, None, None) == (None, None)  # not in a pod
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("EMBER_SERVICEACCOUNT_DIR", str(tmp_path))
-    assert pod_reporter(config) is None  # no token mounted
+    assert pod_reporters(config, None, None) == (None, None)  # no token mounted
     (tmp_path / "token").write_text("t")
     (tmp_path / "ca.crt").write_text("not a certificate")
-    assert pod_reporter(config) is None  # a broken CA bundle: still serving
+    assert pod_reporters(config, None, None) == (None, None)  # a broken CA: still serving
     (tmp_path / "ca.crt").write_text(
         Path(ssl.get_default_verify_paths().openssl_cafile).read_text()
     )
-    reporter = pod_reporter(config)
-    assert reporter is not None and reporter.band_celsius == 2.0
+    reporter, healthy = pod_reporters(config, None, None)
+    assert reporter is not None and reporter.band_celsius == 2.0 and healthy is not None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from kubernetes import client
 
 from tests.cluster.fleet import SIM_TOLERATION, create_nodes, node_manifest
 from tests.conftest import Kube
+from tests.support.waiting import wait_for
 from tests.thermal.kube_support import NODEAGENT_TEMPLATES, chart_objects, kubectl_apply, token_dir
 
 pytestmark = pytest.mark.cluster
@@ -104,14 +104,14 @@ def _node_conditions(kube: Kube, name: str) -> dict[str, Any]:
 
 
 def test_policy_compiles_without_warnings(kube: Kube, agent: tuple[str, str, Path]) -> None:
-    deadline = time.monotonic() + 30
-    while True:
+
+    def type_checking() -> dict[str, Any] | None:
         policy = json.loads(kube.kubectl("get", "validatingadmissionpolicy", POLICY, "-o", "json"))
-        checked = (policy.get("status") or {}).get("typeChecking")
-        if checked is not None:
-            break
-        assert time.monotonic() < deadline, "the API server never type-checked the policy"
-        time.sleep(0.5)
+        checked: dict[str, Any] | None = (policy.get("status") or {}).get("typeChecking")
+        return checked
+
+    what = "the API server to type-check the policy"
+    checked = wait_for(what, type_checking, 30, 0.5, until=lambda got: got is not None)
     assert not checked.get("expressionWarnings"), checked
 
 
@@ -137,19 +137,15 @@ def test_agent_writes_its_own_node_only(kube: Kube, agent: tuple[str, str, Path]
         finally:
             await patcher.aclose()
 
-    deadline = time.monotonic() + 30
     with _http(kube, sa) as http:  # a fresh policy takes a moment to load: wait for it
-        # A new value each time: re-writing the value an admitted probe set would be no change.
-        while (
-            http.patch(
-                node_status_path(own),
-                content=json.dumps({"metadata": {"labels": {"ember.dev/probe": uuid.uuid4().hex}}}),
-                headers=SMP,
-            ).status_code
-            != 403
-        ):
-            assert time.monotonic() < deadline, "the policy never applied"
-            time.sleep(0.5)
+
+        def probe() -> int:
+            # A new value each time: re-writing the value an admitted probe set would be no change.
+            label = {"metadata": {"labels": {"ember.dev/probe": uuid.uuid4().hex}}}
+            path = node_status_path(own)
+            return http.patch(path, content=json.dumps(label), headers=SMP).status_code
+
+        wait_for("the policy to refuse a label", probe, 30, 0.5, until=lambda code: code == 403)
     with pytest.raises(ApiError) as refused:
         asyncio.run(write(other))
     assert refused.value.status == 403 and "own node" in str(refused.value)

@@ -11,6 +11,7 @@ import pytest
 from ember_runtime.sensors.thermal_zone import ThermalZoneReader
 
 from bench.gateway_overhead import cpu_seconds
+from tests.support.waiting import wait_for
 from tests.thermal.conftest import FakeThermalTree
 from tests.thermal.plant import (
     PROFILES,
@@ -102,11 +103,15 @@ def test_the_runtime_sensor_reads_what_the_plant_writes(tmp_path: Path) -> None:
     tree = FakeThermalTree(tmp_path / "sys")
     plant = Plant(BOX, Device(cpus=1.0, work=lambda: work[0]), tree, speed=100.0, period=0.02)
     plant.start()
+
+    def hot_or_busier() -> bool:
+        if plant.state.celsius >= 40:
+            return True
+        work[0] += 0.02  # one busy core: 0.02 s of work each 0.02 s
+        return False
+
     try:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and plant.state.celsius < 40:
-            work[0] += 0.02  # one busy core
-            time.sleep(0.02)
+        wait_for("a busy device to heat past 40 °C", hot_or_busier, 5, 0.02)
     finally:
         plant.stop()
     reading = ThermalZoneReader(tree.root).read()
@@ -129,9 +134,7 @@ def test_trip_kills_and_reset_restarts(tmp_path: Path) -> None:
     plant = Plant(hot, device, FakeThermalTree(tmp_path / "sys"), speed=100.0, period=0.01)
     plant.start()
     try:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and "reset" not in calls:
-            time.sleep(0.01)
+        wait_for("a trip and its reset", lambda: "reset" in calls, 5, 0.01)
     finally:
         plant.stop()
     assert "kill" in calls and "reset" in calls and calls.index("kill") < calls.index("reset")

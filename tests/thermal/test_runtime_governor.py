@@ -5,13 +5,13 @@ change picked up from the config file without a restart."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+from tests.support.waiting import wait_for
 from tests.thermal.conftest import API_KEY, FakeThermalTree
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -22,31 +22,35 @@ def _state(proc: Any) -> dict[str, Any]:
     return state
 
 
-def _until(check: Callable[[], bool], timeout: float, interval: float = 0.02) -> float:
-    """Seconds until `check()` held; fails after `timeout`."""
+def _until_batch(proc: Any, batch: int, timeout: float, interval: float = 0.02) -> float:
+    """Seconds until the runtime's batch limit is `batch`; fails after `timeout`."""
     start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < timeout, "timed out"
-        time.sleep(interval)
+    wait_for(
+        f"batch limit {batch}",
+        lambda: _state(proc)["maxBatchSize"],
+        timeout,
+        interval,
+        until=lambda got: got == batch,
+    )
     return time.monotonic() - start
 
 
 def test_sensor_to_batch_limit_within_a_second(runtime: tuple[Any, FakeThermalTree]) -> None:
     proc, tree = runtime
     try:
-        assert _until(lambda: _state(proc)["maxBatchSize"] == 16, timeout=5) < 5
+        assert _until_batch(proc, 16, timeout=5) < 5
         tree.set(1, 84.0)  # the hottest zone: 84 °C → 13 (throttle 78, step 2)
-        took = _until(lambda: _state(proc)["maxBatchSize"] == 13, timeout=5)
+        took = _until_batch(proc, 13, timeout=5)
         assert took <= 1.0, f"{took:.2f}s from the sensor to the limit"
         assert _state(proc)["thermalReason"] == "Throttled"
         tree.set(1, 92.0)  # past critical (90): the floor, and shedding to peers
-        assert _until(lambda: _state(proc)["maxBatchSize"] == 4, timeout=5) <= 1.0
+        assert _until_batch(proc, 4, timeout=5) <= 1.0
         assert _state(proc)["thermalReason"] == "Critical"
     finally:
         tree.set(1, 70.0)
     # Falling readings are smoothed (and the policy's hysteresis holds): the full batch returns
     # only after a few samples below throttle − 3 °C.
-    assert _until(lambda: _state(proc)["maxBatchSize"] == 16, timeout=10) > 0.2
+    assert _until_batch(proc, 16, timeout=10) > 0.2
 
 
 def test_manual_override_expires(runtime: tuple[Any, FakeThermalTree]) -> None:
@@ -56,7 +60,7 @@ def test_manual_override_expires(runtime: tuple[Any, FakeThermalTree]) -> None:
     assert pinned.status_code == 200, pinned.text
     assert pinned.json()["maxBatchSize"] == 3
     assert 0 < pinned.json()["overrideExpiresInSeconds"] <= 1.0
-    assert _until(lambda: _state(proc)["maxBatchSize"] == 16, timeout=5) >= 0.5
+    assert _until_batch(proc, 16, timeout=5) >= 0.5
     assert _state(proc)["overrideExpiresInSeconds"] is None
     httpx.put(url, json={"maxBatchSize": 2}, headers=AUTH)  # default expiry: 600 s
     assert _state(proc)["overrideExpiresInSeconds"] > 590
@@ -75,15 +79,15 @@ def test_policy_change_is_reloaded_without_a_restart(
     pid = proc.proc.pid
     try:
         tree.set(1, 74.0)
-        assert _until(lambda: _state(proc)["maxBatchSize"] == 16, timeout=10) < 10
+        assert _until_batch(proc, 16, timeout=10) < 10
         data = yaml.safe_load(original)
         data["thermal"]["throttleCelsius"] = 70.0  # 74 °C is now two steps above throttle
         tmp = config.with_suffix(".new")
         tmp.write_text(yaml.safe_dump(data))
         tmp.replace(config)  # atomic, like the kubelet's symlink swap
-        assert _until(lambda: _state(proc)["maxBatchSize"] == 14, timeout=10, interval=0.2) < 10
+        assert _until_batch(proc, 14, timeout=10, interval=0.2) < 10
         assert proc.proc.pid == pid and proc.proc.poll() is None
     finally:
         config.write_text(original)
         tree.set(1, 70.0)
-    assert _until(lambda: _state(proc)["maxBatchSize"] == 16, timeout=15, interval=0.2) < 15
+    assert _until_batch(proc, 16, timeout=15, interval=0.2) < 15

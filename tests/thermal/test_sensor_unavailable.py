@@ -9,31 +9,17 @@ pod crash-looped on every GPU node whose image lacked nvidia-ml-py or the driver
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from tests.support.waiting import wait_for
 from tests.thermal.conftest import API_KEY, FakeThermalTree
 from tests.thermal.runtime_proc import start_runtime
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # nvidia-ml-py installed: nvmlInit's "NVML Shared Library Not Found"; absent: the pip hint.
 NVML_CAUSE = re.compile(r"^nvml: .*(NVIDIA driver|nvidia-ml-py)")
-
-
-def _wait_for_state(
-    url: str, check: Callable[[dict[str, Any]], bool], timeout: float = 10.0
-) -> dict[str, Any]:
-    with httpx.Client(base_url=url, headers=AUTH, timeout=5) as client:
-        deadline = time.monotonic() + timeout
-        while True:
-            state: dict[str, Any] = client.get("/admin/state").json()
-            if check(state) or time.monotonic() > deadline:
-                return state
-            time.sleep(0.1)
 
 
 def test_gpu_replica_without_nvml_serves_and_reports_why(tmp_path: Path) -> None:
@@ -46,7 +32,13 @@ def test_gpu_replica_without_nvml_serves_and_reports_why(tmp_path: Path) -> None
             answer = client.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 4})
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"]
-        state = _wait_for_state(proc.url, lambda s: s["thermalReason"] == "SensorUnavailable")
+            state = wait_for(
+                "thermalReason SensorUnavailable",
+                lambda: client.get("/admin/state").json(),
+                10,
+                0.1,
+                until=lambda s: s["thermalReason"] == "SensorUnavailable",
+            )
         assert state["thermalReason"] == "SensorUnavailable"
         assert NVML_CAUSE.search(state["sensorProblem"] or ""), state
         assert state["maxBatchSize"] == 4  # no reading: serve at full batch

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_runtime.contract.config import SensorSettings
+from ember_runtime.contract.config import SensorConfig
 from ember_runtime.sensors import (
     CompositeSource,
     Ewma,
     Retrying,
     SensorUnavailableError,
     SmoothedSource,
+    TemperatureSource,
     ThermalZoneReader,
     build_source,
     hottest,
@@ -217,7 +218,7 @@ def test_build_source_combines_zones_and_npu_smi(
     script = _fake_npu_smi(
         tmp_path, (f"print(open({str(FIXTURES / 'npu_smi_310p3.txt')!r}).read())\n")
     )
-    settings = SensorSettings(sysfs_root=str(thermal_tree.root), npu_smi=str(script))
+    settings = SensorConfig(sysfs_root=str(thermal_tree.root), npu_smi=str(script))
     assert build_source(settings).read() == {"soc-thermal": 55.0, "npu6/chip0": 50.0}
 
 
@@ -298,7 +299,7 @@ def test_nvml_configured_without_a_driver_degrades_to_the_other_sensors(
     """A GPU node whose image or driver lacks NVML: the thermal zones still count, and the
     cause is at hand for the condition (it used to raise here and crash-loop the runtime)."""
     thermal_tree.zone(0, "soc-thermal", 55.0)
-    source = build_source(SensorSettings(sysfs_root=str(thermal_tree.root), nvml=True))
+    source = build_source(SensorConfig(sysfs_root=str(thermal_tree.root), nvml=True))
     assert source.read() == {"soc-thermal": 55.0}
     problems = problems_of(source)
     assert list(problems) == ["nvml"]
@@ -356,7 +357,7 @@ def test_nvml_reports_power_and_sm_clock_through_every_wrapper(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _fake_gpus(monkeypatch, lambda h: 112_000 + 1000 * h)  # milliwatts, as NVML returns
-    source = build_source(SensorSettings(nvml=True, zone_types=["none"]))
+    source = build_source(SensorConfig(nvml=True, zone_types=["none"]))
     assert telemetry_of(source) == {}  # nothing read yet
     assert source.read() == {"gpu0": 40.0, "gpu1": 41.0}
     assert telemetry_of(source) == {
@@ -385,3 +386,23 @@ def test_metrics_export_gpu_power_and_clock() -> None:
     text = generate_latest(metrics.registry).decode()
     assert 'ember_gpu_power_watts{sensor="gpu0"} 112.5' in text
     assert 'ember_gpu_sm_clock_mhz{sensor="gpu0"} 1980.0' in text
+
+
+def test_thermal_zones_in_celsius(thermal_tree: FakeThermalTree) -> None:
+    thermal_tree.zone(0, "cpu-thermal", 51.0)
+    thermal_tree.zone(1, "gpu-thermal", 43.5)
+    thermal_tree.zone(2, "cpu-thermal", 50.0)
+    thermal_tree.zone(3, "broken", 0.0)
+    (thermal_tree.root / "class/thermal/thermal_zone3/temp").write_text("n/a\n")
+    reader = ThermalZoneReader(thermal_tree.root)
+    assert isinstance(reader, TemperatureSource)
+    assert reader.read() == {
+        "cpu-thermal": 51.0,
+        "gpu-thermal": 43.5,
+        "cpu-thermal/thermal_zone2": 50.0,
+    }
+
+
+def test_no_thermal_zones_reads_empty(thermal_tree: FakeThermalTree) -> None:
+    (thermal_tree.root / "class" / "thermal").mkdir(parents=True)  # sysfs there, no zone in it
+    assert ThermalZoneReader(thermal_tree.root).read() == {}

@@ -69,7 +69,7 @@ def rules(*entries: dict[str, str]) -> dict[str, Any]:
 OBJECT_DEFAULT: dict[str, Any] = {"default": {}}
 
 
-class Wire(BaseModel):
+class CrdModel(BaseModel):
     """camelCase on the wire like every Kubernetes object; snake_case in Python."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
@@ -94,7 +94,7 @@ class AcceleratorKind(StrEnum):
     NPU = "npu"
 
 
-class ThermalPolicy(StrEnum):
+class ThermalPolicyMode(StrEnum):
     ADAPTIVE = "adaptive"
     STATIC = "static"
     # The former name of STATIC, still accepted and meaning the same. Deprecated: YAML 1.1 reads
@@ -119,7 +119,7 @@ class Pooling(StrEnum):
 # ----------------------------------------------------------------------------- model
 
 
-class HostPathSource(Wire):
+class HostPathSource(CrdModel):
     path: str = Field(
         max_length=4096,
         description="Absolute directory on the node holding the model files. It must be one "
@@ -137,7 +137,7 @@ class HostPathSource(Wire):
     )
 
 
-class PvcSource(Wire):
+class PvcSource(CrdModel):
     claim_name: str = Field(
         min_length=1, max_length=253, description="PersistentVolumeClaim in the same namespace."
     )
@@ -154,7 +154,7 @@ class PvcSource(Wire):
     )
 
 
-class ImageSource(Wire):
+class ImageSource(CrdModel):
     reference: str = Field(
         min_length=1, max_length=1024, description="OCI image whose filesystem holds the files."
     )
@@ -163,7 +163,7 @@ class ImageSource(Wire):
     )
 
 
-class LocalSecretRef(Wire):
+class LocalSecretRef(CrdModel):
     name: str = Field(
         min_length=1,
         max_length=253,
@@ -198,7 +198,7 @@ Url = Annotated[
 ]
 
 
-class HttpSource(Wire):
+class HttpSource(CrdModel):
     """Files fetched over HTTP(S) by the node agent into its content-addressed cache."""
 
     urls: dict[str, Url] = Field(
@@ -218,7 +218,7 @@ _ONE_SOURCE = cel(
 )
 
 
-class ModelSource(Wire):
+class ModelSource(CrdModel):
     """Where the model's files come from; exactly one member is set."""
 
     model_config = ConfigDict(json_schema_extra=rules(_ONE_SOURCE))
@@ -231,7 +231,7 @@ class ModelSource(Wire):
     )
 
 
-class ModelFile(Wire):
+class ModelFileSpec(CrdModel):
     path: str = Field(
         min_length=1,
         max_length=1024,
@@ -256,7 +256,7 @@ class ModelFile(Wire):
     size_bytes: int = Field(ge=1, description="Size of the file in bytes.")
 
 
-class ModelSpec(Wire):
+class ModelSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra=rules(
             cel(
@@ -284,7 +284,7 @@ class ModelSpec(Wire):
     )
     format: ModelFormat = Field(default=ModelFormat.GGUF, description="On-disk format.")
     source: ModelSource = Field(description="Where the files come from.")
-    files: list[ModelFile] = Field(
+    files: list[ModelFileSpec] = Field(
         min_length=1, max_length=64, description="Every file of the model, verified by prewarm."
     )
     task: ModelTask = Field(
@@ -303,7 +303,7 @@ class ModelSpec(Wire):
 # ----------------------------------------------------------------------------- engine
 
 
-class EngineSpec(Wire):
+class EngineSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra=rules(
             cel(
@@ -378,7 +378,7 @@ class EngineSpec(Wire):
 # ----------------------------------------------------------------------------- accelerator
 
 
-class AcceleratorSpec(Wire):
+class AcceleratorSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra=rules(
             cel(
@@ -400,7 +400,7 @@ class AcceleratorSpec(Wire):
 # ----------------------------------------------------------------------------- placement
 
 
-class Toleration(Wire):
+class Toleration(CrdModel):
     key: str | None = Field(default=None, max_length=317, description="Taint key.")
     operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Match rule.")
     value: str | None = Field(default=None, max_length=63, description="Taint value.")
@@ -412,7 +412,7 @@ class Toleration(Wire):
     )
 
 
-class PlacementSpec(Wire):
+class PlacementSpec(CrdModel):
     sites: list[Annotated[str, Field(min_length=1, max_length=63)]] = Field(
         default_factory=list,
         max_length=64,
@@ -431,7 +431,7 @@ class PlacementSpec(Wire):
 # ----------------------------------------------------------------------------- prewarm, thermal
 
 
-class PrewarmSpec(Wire):
+class PrewarmSpec(CrdModel):
     enabled: bool = Field(
         default=True,
         description="Verify and load the model into a memory-backed volume before serving.",
@@ -443,7 +443,7 @@ class PrewarmSpec(Wire):
     )
 
 
-class ThermalSpec(Wire):
+class ThermalSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra=rules(
             cel(
@@ -453,8 +453,8 @@ class ThermalSpec(Wire):
         )
     )
 
-    policy: ThermalPolicy = Field(
-        default=ThermalPolicy.ADAPTIVE,
+    policy: ThermalPolicyMode = Field(
+        default=ThermalPolicyMode.ADAPTIVE,
         description="Thermal policy. adaptive: lower the batch (down to engine.minBatchSize) as "
         "the device heats. static: serve at engine.maxBatchSize always, no thermal batch "
         'control. "off": a deprecated name for static; quote it in YAML, where a bare off is the '
@@ -489,18 +489,18 @@ class ThermalSpec(Wire):
     @property
     def adaptive(self) -> bool:
         """The runtime controls the batch; static and its old name "off" both mean it does not."""
-        return self.policy == ThermalPolicy.ADAPTIVE
+        return self.policy == ThermalPolicyMode.ADAPTIVE
 
 
 # ----------------------------------------------------------------------------- server
 
 
-class SecretKeyRef(Wire):
+class SecretKeyRef(CrdModel):
     name: str = Field(min_length=1, max_length=253, description="Secret in the same namespace.")
     key: str = Field(min_length=1, max_length=253, description="Key within the Secret.")
 
 
-class ServerSpec(Wire):
+class ServerSpec(CrdModel):
     port: int = Field(default=8080, ge=1024, le=65535, description="HTTP port (non-root: >1023).")
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None, description="Secret key holding the API key clients must send."
@@ -531,7 +531,7 @@ def _resource_map(what: str) -> Any:
     )
 
 
-class ResourceRequirements(Wire):
+class ResourceRequirements(CrdModel):
     requests: dict[str, Quantity] = _resource_map("requests")
     limits: dict[str, Quantity] = _resource_map("limits")
 
@@ -539,7 +539,7 @@ class ResourceRequirements(Wire):
 # ----------------------------------------------------------------------------- rollout
 
 
-class LabelSelectorRequirement(Wire):
+class LabelSelectorRequirement(CrdModel):
     key: str = Field(min_length=1, max_length=317, description="Node label key.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="Match rule.")
     values: list[Annotated[str, Field(max_length=63)]] = Field(
@@ -547,7 +547,7 @@ class LabelSelectorRequirement(Wire):
     )
 
 
-class NodeLabelSelector(Wire):
+class NodeLabelSelector(CrdModel):
     match_labels: dict[str, Annotated[str, Field(max_length=63)]] = Field(
         default_factory=dict, max_length=32, description="Labels a node must carry."
     )
@@ -563,7 +563,7 @@ _ONE_ORDER = cel(
 )
 
 
-class RolloutWave(Wire):
+class RolloutWave(CrdModel):
     """One wave of sites. Sites already in an earlier wave are never taken again; `count` and
     `percent` take the next sites in name order."""
 
@@ -605,7 +605,7 @@ class RolloutWave(Wire):
     )
 
 
-class HealthGate(Wire):
+class HealthGate(CrdModel):
     ready_timeout_seconds: int = Field(
         default=600,
         ge=10,
@@ -642,7 +642,7 @@ class UnreachablePolicy(StrEnum):
     HALT = "Halt"
 
 
-class RolloutSpec(Wire):
+class RolloutSpec(CrdModel):
     """Site by site: each wave's sites stage the new model, change, bake and pass their health
     gate before the next wave starts; a failed gate rolls the changed sites back from their node
     caches."""
@@ -715,7 +715,7 @@ _SPEC_RULES = rules(
 )
 
 
-class InferenceDeploymentSpec(Wire):
+class InferenceDeploymentSpec(CrdModel):
     model_config = ConfigDict(json_schema_extra=_SPEC_RULES)
 
     replicas: int = Field(default=1, ge=0, le=1000, description="Number of serving pods.")
@@ -771,7 +771,7 @@ class ConditionStatus(StrEnum):
     UNKNOWN = "Unknown"
 
 
-class Condition(Wire):
+class Condition(CrdModel):
     type: str = Field(description="Ready, Progressing, Degraded or Throttled.")
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason for the last transition.")
@@ -786,7 +786,7 @@ class Condition(Wire):
     )
 
 
-class ReplicaStatus(Wire):
+class ReplicaStatus(CrdModel):
     pod: str = Field(description="Pod name.")
     node: str | None = Field(default=None, description="Node the pod runs on.")
     phase: str | None = Field(default=None, description="Pod phase.")
@@ -804,13 +804,13 @@ class ReplicaStatus(Wire):
     )
 
 
-class SiteHealth(Wire):
+class SiteHealth(CrdModel):
     requests: int = Field(default=0, description="Requests finished in the replicas' windows.")
     errors: int = Field(default=0, description="Of those, server errors.")
     ttft_p99_ms: int | None = Field(default=None, description="Worst replica's TTFT p99 (ms).")
 
 
-class SiteRollout(Wire):
+class SiteRollout(CrdModel):
     name: str = Field(description="The site.")
     wave: str = Field(description="The wave it belongs to.")
     revision: str | None = Field(default=None, description="The revision its pods run.")
@@ -832,7 +832,7 @@ class SiteRollout(Wire):
     )
 
 
-class WaveRollout(Wire):
+class WaveRollout(CrdModel):
     name: str = Field(description="Wave name.")
     phase: str = Field(description="Pending, Progressing, Passed, Failed or RolledBack.")
     sites: int = Field(default=0, description="Sites in the wave.")
@@ -841,7 +841,7 @@ class WaveRollout(Wire):
     finished_at: str | None = Field(default=None, description="When it ended (RFC 3339).")
 
 
-class RolloutStatus(Wire):
+class RolloutStatus(CrdModel):
     phase: str = Field(
         description="Complete, Progressing, Paused, Halted (a gate failed or a site is "
         "unreachable) or RolledBack."
@@ -866,7 +866,7 @@ class RolloutStatus(Wire):
     sites: list[SiteRollout] = Field(default_factory=list, description="Per site.")
 
 
-class InferenceDeploymentStatus(Wire):
+class InferenceDeploymentStatus(CrdModel):
     observed_generation: int | None = Field(default=None, description="Last generation handled.")
     replicas: int = Field(default=0, description="Pods that exist.")
     ready_replicas: int = Field(default=0, description="Pods that are ready.")

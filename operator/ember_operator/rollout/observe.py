@@ -10,10 +10,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ember_runtime.contract.cache import CACHE_LABEL_PREFIX, cache_label
+from ember_runtime.contract.resource import SITE_LABEL
 from ember_runtime.contract.rollout import STAGE_ANNOTATION_PREFIX
 
 from ember_operator.api.models import InferenceDeploymentSpec
-from ember_operator.render import SITE_LABEL, site_slug
+from ember_operator.render import site_slug
 from ember_operator.rollout import waves
 from ember_operator.rollout.progress import PodView, SiteView, World
 

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember_runtime.contract import reasons
 from ember_runtime.contract.rollout import HealthReport
 
 from ember_operator.api.models import (
@@ -57,7 +58,7 @@ PENDING, STAGING, UPDATING, BAKING, PASSED = "Pending", "Staging", "Updating", "
 FAILED, UNREACHABLE, SKIPPED = "Failed", "Unreachable", "Skipped"
 DONE = frozenset({PASSED, SKIPPED})
 # A pod failure that is only a wait (prewarm reports the download's progress this way).
-WAITING_REASONS = frozenset({"ModelDownloading"})
+WAITING_REASONS = frozenset({reasons.MODEL_DOWNLOADING})
 
 
 @dataclass(frozen=True)
@@ -314,7 +315,9 @@ def _step(state: RolloutStatus, world: World, decision: Decision) -> None:
         decision.event("Normal", "WavePassed", f"wave {wave.name}: {wave.passed} sites passed")
     state.phase, state.current_wave = COMPLETE, None
     state.stable_revision, state.stable_spec = state.update_revision, world.spec
-    decision.event("Normal", "RolloutComplete", f"revision {state.update_revision} everywhere")
+    decision.event(
+        "Normal", reasons.ROLLOUT_COMPLETE, f"revision {state.update_revision} everywhere"
+    )
 
 
 def _step_site(
@@ -462,7 +465,7 @@ def _roll_back(state: RolloutStatus, world: World, decision: Decision, why: str)
             wave.phase, wave.finished_at = FAILED, stamp(world.now)
     state.phase, state.message = ROLLED_BACK, why
     decision.event(
-        "Warning", "RolledBack", f"{why}; {len(back)} sites back on {state.stable_revision}"
+        "Warning", reasons.ROLLED_BACK, f"{why}; {len(back)} sites back on {state.stable_revision}"
     )
 
 

@@ -16,12 +16,12 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from ember_operator import render, sizing
-from ember_operator.api import GROUP, KIND, VERSION
+from ember_operator.api import API_VERSION, KIND
 from ember_operator.api.models import InferenceDeploymentSpec, RolloutStatus, parse_spec
 from ember_operator.apply import digest_of, request, stamp
 from ember_operator.context import Context
+from ember_operator.events import ObjectRef, record_event
 from ember_operator.rollout import observe, progress
-from ember_operator.thermal.actions import ObjectRef, record_event
 
 log = logging.getLogger(__name__)
 REVISION_CACHE_SIZE = 256
@@ -168,7 +168,7 @@ def unstage(ctx: Context, key: tuple[str, str]) -> None:
 
 def _announce(ctx: Context, body: Mapping[str, Any], events: list[tuple[str, str, str]]) -> None:
     meta = body["metadata"]
-    ref = ObjectRef(f"{GROUP}/{VERSION}", KIND, meta["name"], meta["namespace"], meta["uid"])
+    ref = ObjectRef(API_VERSION, KIND, meta["name"], meta["namespace"], meta["uid"])
     for kind, reason, message in events:
         log.info("%s/%s: %s: %s", meta["namespace"], meta["name"], reason, message)
         try:

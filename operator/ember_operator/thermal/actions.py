@@ -8,8 +8,8 @@ Why a taint (`ember.dev/hot=true:NoSchedule`) and not node affinity on the pod t
 - It is visible where operators look: `kubectl describe node` shows the taint and the Events.
 - NoSchedule (not NoExecute) so the kubelet does not kill other pods on that node; we choose
   which pod moves and go through the Eviction API, so the PodDisruptionBudget is respected.
-- Cost: RBAC `nodes: get, list, patch` (cluster-scoped), `pods/eviction: create`,
-  `events: create`.
+- Cost: RBAC `nodes: get, list, patch` (cluster-scoped), `pods/eviction: create`, and
+  `events: create` for the Events that say so (`ember_operator.events`).
 
 All calls are synchronous (the `kubernetes` client); call them from a thread
 (`asyncio.to_thread`) inside Kopf handlers.
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from ember_runtime.contract.thermal import parse_thermal_condition
@@ -31,7 +29,6 @@ log = logging.getLogger(__name__)
 
 HOT_TAINT_KEY = "ember.dev/hot"
 HOT_TAINT: dict[str, str] = {"key": HOT_TAINT_KEY, "value": "true", "effect": "NoSchedule"}
-COMPONENT = "ember-operator"
 _CONFLICT_RETRIES = 5
 
 
@@ -39,15 +36,6 @@ class EvictionResult(enum.Enum):
     EVICTED = "evicted"
     BLOCKED = "blocked"  # 429: the PDB allows no disruption now; retry on a later tick
     GONE = "gone"  # 404: the pod is already gone
-
-
-@dataclass(frozen=True)
-class ObjectRef:
-    api_version: str
-    kind: str
-    name: str
-    namespace: str | None = None
-    uid: str | None = None
 
 
 def _taints(node: Any) -> list[dict[str, Any]]:
@@ -129,31 +117,3 @@ def evict(core: client.CoreV1Api, namespace: str, pod: str) -> EvictionResult:
             return EvictionResult.GONE
         raise
     return EvictionResult.EVICTED
-
-
-def record_event(
-    core: client.CoreV1Api, ref: ObjectRef, reason: str, message: str, kind: str = "Normal"
-) -> None:
-    """A core/v1 Event; cluster-scoped objects (nodes) get theirs in `default`, as kubelet does."""
-    now = datetime.now(UTC)
-    namespace = ref.namespace or "default"
-    event = client.CoreV1Event(
-        metadata=client.V1ObjectMeta(generate_name=f"{ref.name}.", namespace=namespace),
-        involved_object=client.V1ObjectReference(
-            api_version=ref.api_version,
-            kind=ref.kind,
-            name=ref.name,
-            namespace=ref.namespace,
-            uid=ref.uid,
-        ),
-        reason=reason,
-        message=message[:1024],
-        type=kind,
-        first_timestamp=now,
-        last_timestamp=now,
-        count=1,
-        source=client.V1EventSource(component=COMPONENT),
-        reporting_component=COMPONENT,
-        reporting_instance=COMPONENT,
-    )
-    core.create_namespaced_event(namespace, event)

@@ -29,10 +29,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ember_runtime.contract.thermal import REASON_CRITICAL, REASON_NORMAL
 from kubernetes import client
 
+from ember_operator.api import API_VERSION, KIND
+from ember_operator.events import ObjectRef, record_event
 from ember_operator.thermal import actions
-from ember_operator.thermal.actions import EvictionResult, ObjectRef
+from ember_operator.thermal.actions import EvictionResult
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +121,9 @@ class HotNodes:
     def _observe_node(self, node: str, reason: str | None) -> None:
         """The node agent's report: Critical, Throttled (warm), Normal (cool) or None."""
         state = self.nodes.setdefault(node, NodeState())
-        state.node_critical = reason == "Critical"
+        state.node_critical = reason == REASON_CRITICAL
         self._update(node, state)
-        if reason == "Normal" and state.tainted and not state.critical_pods:
+        if reason == REASON_NORMAL and state.tainted and not state.critical_pods:
             self._release(node, "the node agent reports it cool")
 
     def _update(self, node: str, state: NodeState) -> None:
@@ -188,7 +191,7 @@ class HotNodes:
         done: list[str] = []
         if actions.taint_hot(self.core, node):
             done.append(f"tainted {node}")
-            actions.record_event(
+            record_event(
                 self.core,
                 ObjectRef("v1", "Node", node),
                 "HotNodeTainted",
@@ -203,10 +206,8 @@ class HotNodes:
             result = actions.evict(self.core, replica.namespace, replica.pod)
             if result is EvictionResult.EVICTED:
                 done.append(f"evicted {replica.pod}")
-                owner = ObjectRef(
-                    "ember.dev/v1alpha1", "InferenceDeployment", replica.owner, replica.namespace
-                )
-                actions.record_event(
+                owner = ObjectRef(API_VERSION, KIND, replica.owner, replica.namespace)
+                record_event(
                     self.core,
                     owner,
                     "ReplicaMovedOffHotNode",
@@ -238,7 +239,7 @@ class HotNodes:
         if changed:
             self.done.append(f"untainted {node}")
             log.info("hot node: untainted %s (%s)", node, why)
-            actions.record_event(
+            record_event(
                 self.core,
                 ObjectRef("v1", "Node", node),
                 "HotNodeReleased",

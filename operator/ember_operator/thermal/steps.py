@@ -20,8 +20,8 @@ from ember_runtime.contract.thermal import (
 )
 from kubernetes import client
 
-from ember_operator.thermal import actions
-from ember_operator.thermal.actions import ObjectRef
+from ember_operator.api import API_VERSION, KIND
+from ember_operator.events import ObjectRef, record_event
 from ember_operator.thermal.nodes import Replica
 
 # reason → (Event reason, Event type)
@@ -57,11 +57,9 @@ class LadderSteps:
         if before == reason or (before is None and reason == REASON_NORMAL):
             return None
         event, kind = STEP_EVENTS[reason]
-        owner = ObjectRef(
-            "ember.dev/v1alpha1", "InferenceDeployment", replica.owner, replica.namespace
-        )
+        owner = ObjectRef(API_VERSION, KIND, replica.owner, replica.namespace)
         message = f"{replica.pod} on {replica.node}: {reading.message()}; {WHAT[reason]}"
-        actions.record_event(self.core, owner, event, message, kind)
+        record_event(self.core, owner, event, message, kind)
         return event
 
     def forget(self, replica: Replica) -> None:

@@ -21,6 +21,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from ember_runtime.contract.cache import VIEW_DATA
+from ember_runtime.contract.resource import read_model
 from ember_runtime.contract.thermal import (
     DEFAULT_MAX_BATCH_SIZE,
     Batch,
@@ -59,22 +60,20 @@ class ModelFetch(Wire):
 
 
 def fetch_from_spec(model: Any) -> ModelFetch | None:
-    """An InferenceDeployment's `spec.model` (as the API server returns it) → what to fetch;
-    None for a source other than http. Raises ValueError (pydantic's) on a shape the CRD
-    would not have accepted."""
-    if not isinstance(model, dict):
-        raise ValueError("spec.model is not an object")
-    http = (model.get("source") or {}).get("http")
+    """An InferenceDeployment's `spec.model` (as the API server returns it, read through the one
+    view of it, `resource.read_model`) → what to fetch; None for a source other than http.
+    Raises ValueError (pydantic's) on a shape the CRD would not have accepted."""
+    view = read_model(model)
+    http = view.source.http
     if http is None:
         return None
-    urls = http.get("urls") or {}
-    secret = http.get("secretRef") or {}
     files = [
-        {"url": urls[f["path"]], "sha256": f.get("sha256"), "sizeBytes": f.get("sizeBytes")}
-        for f in model.get("files") or []
-        if f.get("path") in urls
+        FetchFile(url=http.urls[f.path], sha256=f.sha256, size_bytes=f.size_bytes)
+        for f in view.files
+        if f.path in http.urls
     ]
-    return ModelFetch.model_validate({"secretRef": secret.get("name"), "files": files})
+    secret = http.secret_ref.name if http.secret_ref is not None else None
+    return ModelFetch(secret_ref=secret, files=files)
 
 
 # Prompt tokens per step beside the decodes (engines/scheduler). 1024: a burst of 16 prompts
@@ -106,7 +105,20 @@ def unified_kv(deterministic: bool, setting: bool | None = None) -> bool:
     return UNIFIED_BY_DEFAULT if setting is None else setting
 
 
-class EngineSettings(Wire):
+class AdapterConfig(Wire):
+    """A LoRA adapter served on the shared base model, under its own model id (issue 47)."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        description="The model id clients ask for; must differ from the base's and each other's.",
+    )
+    path: str = Field(description="The adapter GGUF: absolute, or relative to the model dir.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    scale: float = Field(default=1.0, ge=0.0, le=100.0, description="LoRA scale (alpha/rank x).")
+
+
+class EngineConfig(Wire):
     kind: Literal["llamacpp", "tensorrt-llm"] = "llamacpp"
     context_length: int = Field(default=2048, ge=64)
     max_batch_size: Batch = Field(
@@ -147,7 +159,18 @@ class EngineSettings(Wire):
         description="llamacpp: sample eligible requests inside llama_decode on the device "
         "(auto: when layers are offloaded to a GPU; engines/device_sampling).",
     )
+    adapters: list[AdapterConfig] = Field(
+        default_factory=list,
+        description="llamacpp: LoRA adapters loaded at start beside the base (engines/llamacpp).",
+    )
     args: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _unique_adapters(self) -> Self:
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError("engine.adapters names must be unique")
+        return self
 
     def offloaded_layers(self, accelerator: str) -> int:
         """The `n_gpu_layers` llama.cpp gets: what the spec says, else all of them on a GPU.
@@ -196,7 +219,7 @@ def _legacy_flag(args: dict[str, str], key: str, replacement: str) -> bool | Non
     return raw.strip().lower() == "true"
 
 
-class ServerSettings(Wire):
+class ServerConfig(Wire):
     host: str = "0.0.0.0"  # noqa: S104 - a pod's server must listen on the pod IP
     port: int = Field(default=8080, ge=1, le=65535)
     api_key_file: str | None = Field(
@@ -209,7 +232,7 @@ class ServerSettings(Wire):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
 
 
-class SensorSettings(Wire):
+class SensorConfig(Wire):
     sysfs_root: str = "/sys"
     nvml: bool = False
     npu_smi: str | None = None
@@ -264,9 +287,9 @@ class RuntimeConfig(Wire):
         default=None, description="Memory-backed directory that prewarm fills; None: no prewarm."
     )
     accelerator: Literal["cpu", "nvidia-gpu", "npu"] = "cpu"
-    engine: EngineSettings = Field(default_factory=EngineSettings)
-    server: ServerSettings = Field(default_factory=ServerSettings)
-    sensors: SensorSettings = Field(default_factory=SensorSettings)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    sensors: SensorConfig = Field(default_factory=SensorConfig)
     thermal: ThermalPolicy = Field(default_factory=ThermalPolicy)
     termination_log: str = "/dev/termination-log"
 
@@ -277,6 +300,19 @@ class RuntimeConfig(Wire):
         if self.task == "embed" and self.engine.kind != "llamacpp":
             raise ValueError("task embed requires the llamacpp engine")
         return self
+
+    @model_validator(mode="after")
+    def _adapter_settings(self) -> Self:
+        adapters = self.engine.adapters
+        if adapters and (self.engine.kind != "llamacpp" or self.task != "generate"):
+            raise ValueError("engine.adapters requires the llamacpp engine and task generate")
+        if any(a.name == self.model_name for a in adapters):
+            raise ValueError("an adapter's name must differ from modelName (the base's id)")
+        return self
+
+    def adapter_file(self, adapter: AdapterConfig) -> Path:
+        """Where `adapter` is read from: its path, under the model dir unless absolute."""
+        return Path(self.model_dir) / adapter.path
 
     def limits(self) -> BatchLimits:
         """The thermal policy for this engine's capacity: what the governor applies (a floor
@@ -302,6 +338,8 @@ class RuntimeConfig(Wire):
         # existing replica when the operator is upgraded.
         exclude = {"thermal"} | {k for k in _NEWER_FIELDS if getattr(self, k) == _DEFAULTS[k]}
         data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
+        if not self.engine.adapters:  # as above: no roll for an upgrade that adds the field
+            data["engine"].pop("adapters")
         return dump_yaml(data, sort_keys=False)
 
 

@@ -60,10 +60,6 @@ class HealthReport:
     window_seconds: Annotated[int, Field(ge=1, le=86_400)]
 
     @property
-    def error_rate(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
-
-    @property
     def reason(self) -> str:
         if self.errors:
             return REASON_ERRORS

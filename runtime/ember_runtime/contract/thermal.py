@@ -204,7 +204,7 @@ def whole_degrees(temp: float | None) -> int | None:
 
 
 # Joules per output token as a report carries it: two significant digits (0.42, 1.3, 17), so
-# the noise in the last digits is never a change; `thermal.reporter` adds a band and a rate.
+# the noise in the last digits is never a change; `reporter` adds a band and a rate.
 JOULES_DIGITS = 2
 MAX_JOULES_PER_TOKEN = 1e6
 JoulesPerToken = Annotated[float, Field(ge=0, le=MAX_JOULES_PER_TOKEN, allow_inf_nan=False)]

@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 from ..durable import fsync_dir, write_all
 from .discovery import parse_unit_id
@@ -120,6 +119,7 @@ class Checkpoint:
         self._spare_space = 0  # bytes laid out in the spare, once it is ready (0: not ready)
 
     def load(self) -> _State:
+        """The state as stored, its checksum checked (CheckpointError if it cannot be trusted)."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
@@ -227,13 +227,6 @@ class Checkpoint:
         # Synchronous for data from now on: records overwrite the laid-out zeros.
         self._fd = os.open(self.path, os.O_WRONLY | os.O_DSYNC | os.O_CLOEXEC)
         self._offset, self._space = len(record), space
-
-    def read_live(self) -> list[dict[str, Any]]:
-        """The allocations as stored (for tools and tests), after checking the checksum."""
-        return [
-            {"contexts": a.contexts, "units": a.units, "owner": a.owner}
-            for a in self.load().allocations
-        ]
 
 
 def _record(state: _State) -> bytes:

@@ -80,6 +80,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit; -inf bans)
     ignore_eos: bool = False
+    # Not sampling, but per request like it: the served LoRA adapter (engine.adapters' name)
+    # the tokens are generated with; None is the base model.
+    adapter: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -188,6 +191,10 @@ class EngineInfo:
     # What the deployment serves (its model.task): "generate" (completions, chat) or "embed"
     # (/v1/embeddings, by an engine that is also an `Embedder`).
     task: str = "generate"
+    # LoRA adapters (engine.adapters), known once started: the names served as model ids of
+    # their own, and each refused one's reason (a wrong digest, another base model).
+    adapters: tuple[str, ...] = ()
+    refused_adapters: dict[str, str] = field(default_factory=dict)
 
 
 class Engine(Protocol):

@@ -11,7 +11,8 @@ comparing two equal texts must get equal vectors. Vectors are L2-normalised, as 
 llama-server's are.
 
 Like the generation engine, one thread loads the model and runs every decode (OpenMP's worker
-teams are per calling thread: engines/llamacpp.py `_main` says why that matters).
+teams are per calling thread: engines/llamacpp.py `_main` says why that matters); the native
+calls both engines make are engines/llama_native.py's.
 """
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ from ember_runtime.engines.base import (
     StepObserver,
     StepStats,
 )
-from ember_runtime.engines.llamacpp import NativeLoop, free_native, load_model, tokenize
+from ember_runtime.engines.llama_native import (
+    NativeLoop,
+    fill_batch,
+    free_native,
+    load_model,
+    tokenize,
+)
 from ember_runtime.gguf_header import read_header
 
 log = logging.getLogger(__name__)
@@ -340,19 +347,16 @@ class LlamaCppEmbedder(NativeLoop):
 
     def _decode(self, seq_of: dict[tuple[int, ...], int]) -> list[np.ndarray]:
         """One `llama_decode` over the distinct inputs; their normalised vectors by seq_id."""
-        ll, batch = self._ll, self._batch
-        n = 0
-        for tokens, sid in seq_of.items():
-            for pos, tok in enumerate(tokens):
-                batch.token[n] = tok
-                batch.pos[n] = pos
-                batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = sid
-                batch.logits[n] = True  # pooling reads every token's output
-                n += 1
-        batch.n_tokens = n
+        ll = self._ll
+        # Every token outputs: pooling reads them all.
+        rows = [
+            (tok, pos, sid, True)
+            for tokens, sid in seq_of.items()
+            for pos, tok in enumerate(tokens)
+        ]
+        fill_batch(self._batch, rows)
         try:
-            if ll.llama_decode(self._ctx, batch) != 0:
+            if ll.llama_decode(self._ctx, self._batch) != 0:
                 raise EngineError("llama.cpp failed to decode the inputs")
             return [self._pooled(sid) for sid in range(len(seq_of))]
         finally:

@@ -32,11 +32,16 @@ The rules, and why:
   So decode rows go in calls of at most `exact_rows`, and the first waiting prompt gets one
   call of its own per step whose boundaries depend only on the prompt itself (multiples of
   `step_tokens` from position 0): exactly the calls it would get alone.
+* **LoRA adapters split calls** (`split_by_adapter`): llama.cpp applies adapters to a whole
+  context, not per sequence, so one `llama_decode` holds rows of one adapter set only. A step
+  with requests for k different adapters (the base counts as one) is k calls, each a pass
+  over the weights: mixed-adapter traffic batches only within each adapter (not measured
+  here: the cost grows with k, like k smaller batches instead of one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -142,3 +147,18 @@ def _deterministic(decoding: list[S], prompting: list[S], policy: Policy) -> lis
         end = min(seq.prompt_len, (seq.prefilled // policy.step_tokens + 1) * policy.step_tokens)
         calls.append(Call(chunks=[Chunk(seq, seq.prefilled, end - seq.prefilled)]))
     return calls
+
+
+def split_by_adapter(calls: list[Call[S]], adapter: Callable[[S], Hashable]) -> list[Call[S]]:
+    """Each call cut into one call per adapter set (in order of first appearance), keeping
+    decodes before chunks and the order within each: llama.cpp computes a whole decode with
+    the context's adapter set, so rows of different sets cannot share one."""
+    out: list[Call[S]] = []
+    for call in calls:
+        groups: dict[Hashable, Call[S]] = {}
+        for seq in call.decodes:
+            groups.setdefault(adapter(seq), Call()).decodes.append(seq)
+        for chunk in call.chunks:
+            groups.setdefault(adapter(chunk.seq), Call()).chunks.append(chunk)
+        out.extend(groups.values())
+    return out

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from ember_runtime.asgi import BodyLimit
 from ember_runtime.gateway.fleet import Fleet
 from ember_runtime.gateway.metrics import GatewayMetrics
 from ember_runtime.gateway.proxy import (
@@ -34,7 +35,6 @@ from ember_runtime.gateway.proxy import (
     prefix_text,
     until_disconnect,
 )
-from ember_runtime.server.middleware import BodyLimit
 
 log = logging.getLogger(__name__)
 PROXIED = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from ember_runtime.contract.cache import INSTANCE_LABEL
+from ember_runtime.contract.resource import SITE_LABEL, collection_path
 from ember_runtime.gateway import routes as routing
 from ember_runtime.gateway.fleet import Fleet
 from ember_runtime.gateway.metrics import GatewayMetrics
 from ember_runtime.kube import API_ERRORS, KubeClient
 
 log = logging.getLogger(__name__)
-SITE_LABEL = "ember.dev/site"
 RETRY_SECONDS = 3.0
 
 
@@ -61,14 +61,17 @@ class KubeDiscovery:
         self._dirty = asyncio.Event()
 
     async def run(self, fleet: Fleet, metrics: GatewayMetrics) -> None:
-        ns = f"/namespaces/{self.namespace}"
         watches = [
             self._watch(
-                f"/apis/ember.dev/v1alpha1{ns}/inferencedeployments",
+                collection_path(self.namespace),
                 {"labelSelector": self.selector} if self.selector else {},
                 self.deployments,
             ),
-            self._watch(f"/api/v1{ns}/pods", {"labelSelector": INSTANCE_LABEL}, self.pods),
+            self._watch(
+                f"/api/v1/namespaces/{self.namespace}/pods",
+                {"labelSelector": INSTANCE_LABEL},
+                self.pods,
+            ),
         ]
         if self.site:
             watches.append(

@@ -1,9 +1,10 @@
 """The replicas' live state, read from the replicas themselves over the site's LAN.
 
 Every `interval` seconds the gateway asks each replica for `GET /admin/state` (its batch limit,
-capacity, active and queued sequences, thermal reason, draining), with that replica's own API
-key and a `timeout` (polling, not piggy-backing on responses: an idle or a cooling replica sends
-no responses, and its recovery must still be seen). A replica that refuses the connection is out
+capacity, active and queued sequences, thermal reason, draining: `contract.admin`, read
+tolerantly), with that replica's own API key and a `timeout` (polling, not piggy-backing on
+responses: an idle or a cooling replica sends no responses, and its recovery must still be
+seen). A replica that refuses the connection is out
 at once; one that fails two probes in a row is out (within 2 × (interval + timeout)); one that
 answers is back. The gateway counts its own requests in flight per replica between probes.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from ember_runtime.contract.admin import STATE_PATH, read_admin_state
 from ember_runtime.gateway.policy import Policy, ReplicaView, is_shedding, is_throttled, order
 from ember_runtime.gateway.routes import Backend, ModelRoute
 
@@ -105,19 +107,16 @@ class Fleet:
     async def probe(self, client: aiohttp.ClientSession, replica: Replica) -> None:
         try:
             async with client.get(
-                f"{replica.backend.url}/admin/state",
+                f"{replica.backend.url}{STATE_PATH}",
                 headers=replica.auth(),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 raise_for_status=True,
             ) as resp:
-                state = await resp.json()
-            replica.batch_limit = int(state["maxBatchSize"])
-            replica.capacity = int(state["capacity"])
-            replica.active = int(state["activeSequences"])
-            replica.queued = int(state["queueDepth"])
-            replica.reason = str(state.get("thermalReason", ""))
-            replica.draining = bool(state.get("draining", False))
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+                state = read_admin_state(await resp.read())
+            replica.batch_limit, replica.capacity = state.max_batch_size, state.capacity
+            replica.active, replica.queued = state.active_sequences, state.queue_depth
+            replica.reason, replica.draining = state.thermal_reason, state.draining
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             replica.failures += 1
             refused = isinstance(exc, aiohttp.ClientConnectorError)
             if replica.healthy and (refused or replica.failures >= FAILURES_TO_EJECT):

@@ -28,10 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from ember_runtime.contract.errors import error_body
 from ember_runtime.gateway.fleet import Fleet, Replica
 from ember_runtime.gateway.metrics import GatewayMetrics
 from ember_runtime.gateway.routes import ModelRoute
-from ember_runtime.server.errors import error_body
 
 log = logging.getLogger(__name__)
 

@@ -15,14 +15,17 @@ change where the first one's traffic goes.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ember_runtime.contract.cache import INSTANCE_LABEL
+from ember_runtime.contract.resource import SpecView, read_spec
 from ember_runtime.durable import replace_file
 
+log = logging.getLogger(__name__)
 SNAPSHOT_VERSION = "ember.dev/gateway-routes.v1"
 
 
@@ -58,11 +61,17 @@ def ident(obj: Mapping[str, Any]) -> str:
 
 
 def key_ref(obj: Mapping[str, Any]) -> tuple[str, str, str] | None:
-    """(namespace, Secret name, key) of an InferenceDeployment's API key, if it has one."""
-    ref = ((obj.get("spec") or {}).get("server") or {}).get("apiKeySecretRef")
-    if not ref:
+    """(namespace, Secret name, key) of an InferenceDeployment's API key, if it has one (an
+    unreadable spec has none: it is not routed at all, and `build` says why)."""
+    try:
+        return _key_ref(obj, read_spec(obj))
+    except ValueError:
         return None
-    return (str(_meta(obj).get("namespace", "")), str(ref["name"]), str(ref["key"]))
+
+
+def _key_ref(obj: Mapping[str, Any], spec: SpecView) -> tuple[str, str, str] | None:
+    ref = spec.server.api_key_secret_ref
+    return None if ref is None else (str(_meta(obj).get("namespace", "")), ref.name, ref.key)
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:
@@ -78,10 +87,12 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
 
 
 def _backends(
-    deployment: Mapping[str, Any], pods: Iterable[Mapping[str, Any]], nodes: frozenset[str] | None
+    deployment: Mapping[str, Any],
+    port: int,
+    pods: Iterable[Mapping[str, Any]],
+    nodes: frozenset[str] | None,
 ) -> tuple[Backend, ...]:
     namespace, name = _meta(deployment).get("namespace"), _meta(deployment).get("name")
-    port = int(((deployment.get("spec") or {}).get("server") or {}).get("port", 8080))
     out = []
     for pod in pods:
         meta = _meta(pod)
@@ -114,17 +125,21 @@ def build(
         deployments, key=lambda d: (str(_meta(d).get("creationTimestamp", "")), ident(d))
     )
     for deployment in ordered:
-        name = str(((deployment.get("spec") or {}).get("model") or {}).get("name", ""))
-        ref = key_ref(deployment)
-        if not name or (ref is not None and ref not in keys):
+        try:
+            spec = read_spec(deployment)  # the fields the gateway reads (contract.resource)
+        except ValueError as exc:  # a spec the CRD would not have accepted
+            log.warning("%s: unreadable spec, not routed: %s", ident(deployment), exc)
             continue
+        ref = _key_ref(deployment, spec)
+        if ref is not None and ref not in keys:
+            continue
+        name = spec.model.name
         if name in routes:
             conflicts.append(Conflict(name, routes[name].owner, ident(deployment)))
             continue
         api_key = keys[ref] if ref is not None else None
-        routes[name] = ModelRoute(
-            name, ident(deployment), api_key, _backends(deployment, pods, nodes)
-        )
+        backends = _backends(deployment, spec.server.port, pods, nodes)
+        routes[name] = ModelRoute(name, ident(deployment), api_key, backends)
     return routes, conflicts
 
 

@@ -19,7 +19,8 @@ import httpx
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
-from ember_runtime.contract.config import SensorSettings
+from ember_runtime.contract.config import SensorConfig
+from ember_runtime.contract.resource import SITE_LABEL
 from ember_runtime.contract.thermal import DEFAULTS, ThermalPolicy, ThermalReading, whole_degrees
 from ember_runtime.kube import ConditionPatcher, Endpoint, KubeClient, node_status_path
 from ember_runtime.nodeagent import windows
@@ -32,11 +33,11 @@ from ember_runtime.nodeagent.peerauth import Identity
 from ember_runtime.nodeagent.peerserver import PeerServer
 from ember_runtime.nodeagent.podprogress import DownloadReports
 from ember_runtime.nodeagent.ratelimit import TokenBucket
-from ember_runtime.nodeagent.site import SITE_LABEL, SiteConfig, SiteSharing
+from ember_runtime.nodeagent.site import SiteConfig, SiteSharing
 from ember_runtime.nodeagent.views import DigestViews
 from ember_runtime.nodeagent.windows import Windows
+from ember_runtime.reporter import ConditionReporter
 from ember_runtime.sensors import build_source, sample_forever
-from ember_runtime.thermal.reporter import ConditionReporter
 
 log = logging.getLogger("ember_runtime.nodeagent")
 STOP_SECONDS = 15.0  # the most a stop waits for the agent's tasks to end
@@ -171,7 +172,7 @@ def node_reading(policy: ThermalPolicy, temps: dict[str, float]) -> ThermalReadi
 
 async def report_temperature(settings: AgentSettings, reporter: ConditionReporter) -> None:
     """Until cancelled: the node's hottest reading, classified, into the node's condition."""
-    source = build_source(SensorSettings(sysfs_root=settings.sysfs_root))
+    source = build_source(SensorConfig(sysfs_root=settings.sysfs_root))
     policy = settings.policy()
 
     def offer(temps: dict[str, float], _problem: str | None) -> None:

@@ -45,6 +45,7 @@ import httpx
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
 from ember_runtime.contract.config import FetchFile, ModelFetch, fetch_from_spec
+from ember_runtime.contract.resource import object_path
 from ember_runtime.contract.rollout import stable_model
 from ember_runtime.kube import API_ERRORS, ApiError, KubeClient
 from ember_runtime.nodeagent.cache import Busy, ContentCache, FetchError, Want, failure_line
@@ -59,7 +60,6 @@ from ember_runtime.nodeagent.windows import Windows, until
 log = logging.getLogger("ember_runtime.nodeagent.fetcher")
 
 MAX_MISMATCH_RETRY_SECONDS = 6 * 3600.0
-INFERENCE_DEPLOYMENTS = "/apis/ember.dev/v1alpha1/namespaces/{namespace}/inferencedeployments"
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain
 STAGE_REREAD_SECONDS = 60.0
 STAGED = "stage"  # a staged object's Claim.version: it is read again by time, not by version
@@ -119,9 +119,8 @@ class SpecResolver:
 
     async def read(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The object as stored; None when there is none. Raises on any other API error."""
-        path = f"{INFERENCE_DEPLOYMENTS.format(namespace=namespace)}/{name}"
         try:
-            return await self.reader.get(path)
+            return await self.reader.get(object_path(namespace, name))
         except ApiError as err:
             if err.status == 404:  # a hand-made pod naming nothing, or the object is gone
                 log.info("%s/%s: no such InferenceDeployment", namespace, name)

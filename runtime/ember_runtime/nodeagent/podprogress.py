@@ -10,11 +10,11 @@ every `every_seconds`:
     status True, reason ModelDownloading,
     message `node-a: 1.2 of 3.4 GB in the node cache, ETA 3m03s (12.0 MB/s over 1m40s)`
 
-(the same text prewarm's exit used to carry; the rate is over this pod's wait so far). Once the
-files are in, one write sets it False (ModelCached). The operator shows a pod whose prewarm is
-running with this condition True as ModelDownloading (status.pod_failure). The chart's
-ValidatingAdmissionPolicy lets the agent's token change only this condition, and only on pods
-bound to its own node.
+(`contract.download`: the text prewarm's exit carries too; the rate is over this pod's wait so
+far). Once the files are in, one write sets it False (ModelCached). The operator shows a pod
+whose prewarm is running with this condition True as ModelDownloading (status.pod_failure). The
+chart's ValidatingAdmissionPolicy lets the agent's token change only this condition, and only
+on pods bound to its own node.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import httpx
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import MODEL_DOWNLOAD_CONDITION
 from ember_runtime.contract.config import FetchFile
+from ember_runtime.contract.download import Observation, progress_message
 from ember_runtime.kube import ApiError, KubeClient
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.fetcher import PodFetch, Unresolved
-from ember_runtime.prewarm.cachewait import Observation, progress_message
 
 log = logging.getLogger("ember_runtime.nodeagent.podprogress")
 

@@ -53,6 +53,7 @@ from typing import Any, Protocol
 import httpx
 
 from ember_runtime.contract import reasons
+from ember_runtime.contract.resource import SITE_LABEL
 from ember_runtime.kube import API_ERRORS, ApiError
 from ember_runtime.nodeagent import peerauth
 from ember_runtime.nodeagent.cache import Checker, ContentCache, FetchError, Signer, Want
@@ -60,7 +61,6 @@ from ember_runtime.nodeagent.metrics import PEER, AgentMetrics
 
 log = logging.getLogger("ember_runtime.nodeagent.site")
 
-SITE_LABEL = "ember.dev/site"
 PEER_ANNOTATION = "ember.dev/peer"
 CACHE_ANNOTATION = "ember.dev/cache"
 FAILED_ANNOTATION = "ember.dev/failed"

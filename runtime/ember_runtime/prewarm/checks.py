@@ -21,8 +21,8 @@ from typing import Protocol
 
 from ember_runtime.contract import reasons
 from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.contract.manifest import manifest_matches
 from ember_runtime.prewarm.copy import PARTIAL_MARKER
-from ember_runtime.prewarm.manifest import manifest_matches
 
 DEFAULT_MARGIN_BYTES = 32 << 20
 NVIDIA_SMI_TIMEOUT_S = 10.0

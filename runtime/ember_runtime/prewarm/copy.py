@@ -24,9 +24,9 @@ from pathlib import Path
 
 from ember_runtime.contract import reasons
 from ember_runtime.contract.config import ModelFile
+from ember_runtime.contract.manifest import ManifestEntry
 from ember_runtime.durable import fsync_dir, write_all
 from ember_runtime.prewarm.errors import ChecksumMismatch, Interrupted, PrewarmError, SizeMismatch
-from ember_runtime.prewarm.manifest import ManifestEntry
 from ember_runtime.prewarm.progress import Progress
 
 PARTIAL_MARKER = ".partial-"

@@ -6,16 +6,12 @@ import threading
 from pathlib import Path
 from typing import TextIO
 
+from ember_runtime.contract.manifest import Manifest, read_manifest
 from ember_runtime.prewarm.cachewait import wait_for_cache
 from ember_runtime.prewarm.checks import Preflight, failures, run_checks
 from ember_runtime.prewarm.copy import CopyOptions, copy_all, remove_partials
 from ember_runtime.prewarm.errors import PrewarmError
-from ember_runtime.prewarm.manifest import (
-    Manifest,
-    read_manifest,
-    remove_manifest,
-    write_manifest,
-)
+from ember_runtime.prewarm.manifest import remove_manifest, write_manifest
 from ember_runtime.prewarm.progress import Progress
 from ember_runtime.prewarm.report import ICONS
 

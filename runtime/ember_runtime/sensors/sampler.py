@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ember_runtime.contract.config import SensorSettings
+from ember_runtime.contract.config import SensorConfig
 from ember_runtime.sensors.base import (
     SensorUnavailableError,
     TemperatureSource,
@@ -165,7 +165,7 @@ class SmoothedSource:
         return telemetry_of(self._source)  # raw, not smoothed: power moves by the millisecond
 
 
-def build_source(settings: SensorSettings) -> SmoothedSource:
+def build_source(settings: SensorConfig) -> SmoothedSource:
     """The runtime's source from its config: thermal zones, plus NVML / npu-smi if configured.
 
     Never raises for a sensor that cannot work here: its reads fail instead, and the source's

@@ -21,14 +21,13 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
-from pydantic import ValidationError
 
 from ember_runtime import termination
 from ember_runtime.contract import reasons
+from ember_runtime.contract.manifest import resolve_model_path
 from ember_runtime.engines.base import EngineUnavailableError
 from ember_runtime.heap import freeze_startup_heap
 from ember_runtime.memory import MemoryLimitError
-from ember_runtime.prewarm.manifest import resolve_model_path
 from ember_runtime.server.app import create_app
 from ember_runtime.server.preflight import preflight
 from ember_runtime.server.settings import load_settings
@@ -66,7 +65,8 @@ class _DrainingServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(argv)
-    except (ValidationError, OSError) as exc:  # a bad flag, variable or config file: say which
+    # A bad flag, variable or config file (ValidationError is a ValueError), or nothing to serve.
+    except (ValueError, OSError) as exc:
         print(f"invalid runtime settings:\n{exc}", file=sys.stderr)
         return 2
     logging.basicConfig(

@@ -2,9 +2,10 @@
 
 The runtime governs its own batch limit from its sensors (`ember_runtime.thermal.governor`);
 nothing calls these endpoints in normal operation. `GET /admin/state` is read-only (behind the
-API key when one is set): a site gateway may route on it. `PUT /admin/batch` lowers the limit
-for `expiresInSeconds` (default 600) — to shed load by hand — never above what the thermal
-policy allows at the current temperature; `DELETE /admin/batch` ends the override at once.
+API key when one is set): a site gateway routes on it, so its body is the contract's
+(`contract.admin.AdminState`). `PUT /admin/batch` lowers the limit for `expiresInSeconds`
+(default 600) — to shed load by hand — never above what the thermal policy allows at the
+current temperature; `DELETE /admin/batch` ends the override at once.
 
 The writes are taken only from inside the pod: a loopback peer (`kubectl port-forward`, which
 needs the pods/portforward permission, or `kubectl exec`). A client on the site's LAN, or
@@ -20,8 +21,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
+from ember_runtime.contract.admin import STATE_PATH, AdminState
 from ember_runtime.server.errors import APIError
-from ember_runtime.server.schemas import AdminState, BatchSizeRequest
+from ember_runtime.server.schemas import BatchSizeRequest
 from ember_runtime.server.state import AppState, get_state, require_api_key
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_api_key)])
@@ -64,10 +66,12 @@ def _snapshot(state: AppState) -> AdminState:
         override_expires_in_seconds=None
         if override is None
         else round(max(0.0, override.until - time.monotonic()), 1),
+        adapters=list(state.engine.info.adapters),
+        refused_adapters=dict(state.engine.info.refused_adapters),
     )
 
 
-@router.get("/state", response_model_by_alias=True)
+@router.get(STATE_PATH.removeprefix("/admin"), response_model_by_alias=True)
 async def admin_state(state: StateDep) -> AdminState:
     return _snapshot(state)
 

@@ -12,22 +12,23 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from ember_runtime.asgi import BodyLimit
 from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.contract.manifest import resolve_model_path
 from ember_runtime.contract.rollout import HealthReport
 from ember_runtime.contract.thermal import ThermalReading, report_joules
 from ember_runtime.engines.base import Engine, StepObserver
 from ember_runtime.kube import ConditionPatcher, Endpoint, pod_status_path
-from ember_runtime.prewarm.manifest import resolve_model_path
+from ember_runtime.reporter import CoalescingReporter, ConditionReporter
 from ember_runtime.sensors import TemperatureSource, build_source, telemetry_of
 from ember_runtime.sensors.power import MeteredSource, build_monitor
 from ember_runtime.server import admin, embeddings, errors, health, routes
 from ember_runtime.server.metrics import Metrics
-from ember_runtime.server.middleware import BodyLimit, RequestCounter
+from ember_runtime.server.middleware import RequestCounter
 from ember_runtime.server.settings import read_api_key
 from ember_runtime.server.state import AppState
 from ember_runtime.thermal import control
 from ember_runtime.thermal.governor import Governor
-from ember_runtime.thermal.reporter import CoalescingReporter, ConditionReporter
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def build_engine(
         )
     if config.task == "embed":
         return _embedder(config, model_path, observer)
+    from ember_runtime.engines.adapters import AdapterSpec  # noqa: PLC0415
     from ember_runtime.engines.device_sampling import DeviceSampling  # noqa: PLC0415
     from ember_runtime.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
@@ -69,6 +71,10 @@ def build_engine(
         sampler_threads=config.engine.sampler_threads,
         device_sampling=DeviceSampling(config.engine.device_sampling),
         observer=observer,
+        adapter_specs=[
+            AdapterSpec(a.name, config.adapter_file(a), a.sha256, a.scale)
+            for a in config.engine.adapters
+        ],
     )
 
 
@@ -115,17 +121,11 @@ def pod_patcher(config: RuntimeConfig) -> ConditionPatcher | None:
         return None
 
 
-def pod_reporter(config: RuntimeConfig) -> ConditionReporter | None:
-    """The pod's thermal condition reporter (see `pod_patcher`)."""
-    patcher = pod_patcher(config)
-    return None if patcher is None else _thermal_reporter(config, patcher)
-
-
 def _thermal_reporter(config: RuntimeConfig, patcher: ConditionPatcher) -> ConditionReporter:
     return ConditionReporter(patcher, band_celsius=config.thermal.celsius_per_step)
 
 
-def _pod_reporters(
+def pod_reporters(
     config: RuntimeConfig,
     thermal: ConditionReporter | None,
     healthy: CoalescingReporter[HealthReport] | None,
@@ -183,7 +183,7 @@ def create_app(
     energy = build_monitor(config.sensors.sysfs_root, metrics.output_tokens)
     metrics.bind_energy(energy.snapshot)
     source = MeteredSource(sensor or build_source(config.sensors), energy)
-    report, health_report = _pod_reporters(config, reporter, health_reporter)
+    report, health_report = pod_reporters(config, reporter, health_reporter)
     tracker = health.HealthTracker(health_window_seconds)
     # The engine was built for engine.maxBatchSize; the governor gets the same typed value
     # (the policy applied to it), not the engine's answer about itself.

@@ -1,19 +1,19 @@
-"""The one place that turns exceptions into OpenAI's error body.
+"""The one place that turns the runtime's exceptions into OpenAI's error body.
 
-`{"error": {"message", "type", "param", "code"}}` with the matching HTTP status, so the openai
-client raises its usual typed exceptions (BadRequestError, RateLimitError, ...).
+The body itself, and the `type` each status gets, are the contract's (`contract.errors`): the
+gateway answers in the same shape without importing the runtime.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ember_runtime.contract.errors import error_body
 from ember_runtime.engines.base import (
     EngineError,
     EngineStoppingError,
@@ -22,18 +22,6 @@ from ember_runtime.engines.base import (
 )
 
 log = logging.getLogger(__name__)
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "server_unavailable",
-    504: "timeout",
-}
-
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
@@ -54,13 +42,6 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
-
-
-def error_body(
-    status: int, message: str, *, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(exc: APIError) -> JSONResponse:

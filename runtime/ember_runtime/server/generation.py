@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from ember_runtime.contract.errors import error_body
 from ember_runtime.engines.base import Delta, FinishReason, GenerationStream, TokenLogprob
 from ember_runtime.server import logprobs
-from ember_runtime.server.errors import error_body
 from ember_runtime.server.health import RequestHealth
 from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.schemas import Usage

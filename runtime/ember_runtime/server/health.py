@@ -15,7 +15,7 @@ governor held the batch below capacity while it ran. What is counted:
 Memory is bounded: counts live in `BUCKETS` time buckets (exact counts, the window's edge
 within `window_seconds / BUCKETS`), TTFTs in the newest `MAX_TTFT_SAMPLES`.
 
-The condition goes through `thermal.reporter.CoalescingReporter` (the thermal condition's
+The condition goes through `reporter.CoalescingReporter` (the thermal condition's
 writer): the first report, then only a change of reason or errors, of the throttled flag or of
 having a TTFT at all, a request count in another doubling band (`requests_band`), or a TTFT p99
 more than 10 % away from the last written one; at most one write per `MIN_INTERVAL_SECONDS`.
@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember_runtime.contract.rollout import MAX_COUNT, MAX_MS, HealthReport, health_condition
-from ember_runtime.thermal.reporter import CoalescingReporter, ConditionWriter
+from ember_runtime.reporter import CoalescingReporter, ConditionWriter
 
 DEFAULT_WINDOW_SECONDS = 300
 BUCKETS = 300

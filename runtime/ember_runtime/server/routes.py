@@ -70,7 +70,26 @@ async def metrics(state: StateDep) -> Response:
 @api.get("/v1/models")
 async def list_models(state: StateDep) -> ModelList:
     info = state.engine.info
-    return ModelList(data=[ModelCard(id=info.model_id, created=state.started)])
+    ids = [info.model_id, *info.adapters]  # each served LoRA adapter is a model of its own
+    return ModelList(data=[ModelCard(id=i, created=state.started) for i in ids])
+
+
+def _adapter(body: CompletionRequest | ChatCompletionRequest, state: AppState) -> str | None:
+    """The served LoRA adapter the request's `model` names; None for the base (its own id, or
+    any other name: clients that send a fixed model id keep working). A refused adapter is a
+    404 that says why."""
+    info = state.engine.info
+    if body.model in info.adapters:
+        return body.model
+    reason = info.refused_adapters.get(body.model or "")
+    if reason is not None:
+        raise APIError(
+            404,
+            f"adapter {body.model} is not served: {reason}",
+            param="model",
+            code="model_not_found",
+        )
+    return None
 
 
 def _generating(state: StateDep) -> None:
@@ -242,6 +261,7 @@ def _sampling(
     logprobs: int | None = None,
     grammar: str | None = None,
 ) -> SamplingParams:
+    adapter = _adapter(body, state)  # a refused adapter's 404 before anything is counted
     context = state.engine.info.context_length
     room = context - len(tokens)
     if room <= 0:
@@ -272,6 +292,7 @@ def _sampling(
         stop=body.stop_strings(),
         logprobs=logprobs,
         grammar=grammar,
+        adapter=adapter,
         **extras,
     )
 
@@ -401,7 +422,7 @@ async def _respond(
     streams = _submit(choices, state)  # QueueFullError -> 429 right here
     probe = health.probe_of(request)
     gens = [Generation(s, state.metrics, state.request_timeout, probe) for s in streams]
-    model = state.engine.info.model_id
+    model = choices[0].params.adapter or state.engine.info.model_id
     if body.stream:
         chat = isinstance(body, ChatCompletionRequest)
         ident = new_id("chatcmpl" if chat else "cmpl")

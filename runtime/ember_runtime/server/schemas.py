@@ -319,25 +319,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class AdminState(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-    max_batch_size: int = Field(serialization_alias="maxBatchSize")
-    capacity: int
-    queue_depth: int = Field(serialization_alias="queueDepth")
-    active_sequences: int = Field(serialization_alias="activeSequences")
-    last_step_sequences: int = Field(serialization_alias="lastStepSequences")
-    steps: int
-    temperatures: dict[str, float]
-    draining: bool
-    thermal_reason: str = Field(serialization_alias="thermalReason")
-    sensor_problem: str | None = Field(
-        default=None,
-        serialization_alias="sensorProblem",
-        description="Why a configured sensor gives no reading (e.g. NVML without a driver).",
-    )
-    override_expires_in_seconds: float | None = Field(
-        default=None, serialization_alias="overrideExpiresInSeconds"
-    )

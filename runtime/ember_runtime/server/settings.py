@@ -1,9 +1,10 @@
 """Runtime settings: the operator's ConfigMap file, then `EMBER_*` environment, then flags.
 
 The ConfigMap (`RuntimeConfig`) is the contract with the operator; flags exist so a developer can
-run `python -m ember_runtime.server --model x.gguf` without one. Precedence, lowest first:
-built-in defaults < config file (`--config`, `$EMBER_CONFIG`, `/etc/ember/config.yaml`) <
-environment (`EMBER_PORT`, `EMBER_THREADS`, ...) < command-line flags.
+run `python -m ember_runtime.server --model x.gguf` without one (with neither, it refuses to
+start: it has no model of its own). Precedence, lowest first: built-in defaults < config file
+(`--config`, `$EMBER_CONFIG`, `/etc/ember/config.yaml`) < environment (`EMBER_PORT`,
+`EMBER_THREADS`, ...) < command-line flags.
 """
 
 from __future__ import annotations
@@ -120,9 +121,12 @@ def _base_config(path: Path | None, model: Path | None) -> RuntimeConfig:
     if found is not None:
         return load_config(found)
     if model is None:
-        from ember_runtime.models import default_model_path  # noqa: PLC0415 - dev-only path
-
-        model = default_model_path()
+        # No built-in model: the product serves what it is told to (the tests' model is
+        # tests/support/model.py's, and they pass it with --model).
+        raise ValueError(
+            f"nothing to serve: no config file (--config, ${CONFIG_ENV} or {DEFAULT_CONFIG_PATH}) "
+            "and no --model ($EMBER_MODEL)"
+        )
     return RuntimeConfig(model_name=model.stem, model_dir=str(model.parent))
 
 

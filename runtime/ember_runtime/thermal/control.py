@@ -15,10 +15,10 @@ from pydantic import ValidationError
 
 from ember_runtime.contract.config import load_config
 from ember_runtime.contract.thermal import ThermalPolicy
+from ember_runtime.reporter import ConditionReporter
 from ember_runtime.sensors.base import TemperatureSource
 from ember_runtime.sensors.sampler import sample_forever
 from ember_runtime.thermal.governor import Governor
-from ember_runtime.thermal.reporter import ConditionReporter
 
 log = logging.getLogger(__name__)
 

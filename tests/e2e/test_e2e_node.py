@@ -147,10 +147,14 @@ def test_heat_with_the_api_server_down(flow: Flow, served: str, kube: Kube) -> N
     try:
         assert not cp.ready()
         flow.set_temperature(HOT_CELSIUS)
-        heated, batch = time.monotonic(), 8
-        while batch != 4 and time.monotonic() - heated < 5:
-            batch = httpx.get(state, timeout=2).json()["maxBatchSize"]
-            time.sleep(0.02)
+        heated = time.monotonic()
+        wait_for(
+            "batch 4 with the API server down",
+            lambda: httpx.get(state, timeout=2).json()["maxBatchSize"],
+            5,
+            0.02,
+            until=lambda batch: batch == 4,
+        )
         reaction = time.monotonic() - heated
     finally:
         cp.up()  # starts the API server again (the rest is still running) and waits for /readyz
@@ -162,7 +166,7 @@ def test_heat_with_the_api_server_down(flow: Flow, served: str, kube: Kube) -> N
         )
     caught_up = time.monotonic() - back
     print(f"offline: batch 8 -> 4 in {reaction:.2f} s; status caught up {caught_up:.1f} s later")
-    assert batch == 4 and reaction <= 1.0, f"batch {batch} after {reaction:.2f} s"
+    assert reaction <= 1.0, f"batch 4 only after {reaction:.2f} s"
     assert caught_up <= 10.0, f"kubectl get infd caught up only after {caught_up:.1f} s"
     assert 86 <= int(hot["TEMP"]) <= HOT_CELSIUS, hot
     flow.set_temperature(COOL_CELSIUS)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ember_runtime.models import MODEL_FILENAME, MODEL_SHA256
 
 from images.build import IMAGES
 from tests.cluster.ember_images import build_image
@@ -25,6 +24,7 @@ from tests.conftest import Kube, NodeHandle
 from tests.e2e.flow import table_columns
 from tests.operator import rest
 from tests.operator.specs import hostpath_model, manifest
+from tests.support.model import MODEL_FILENAME, MODEL_SHA256
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]

@@ -34,7 +34,7 @@ from tests.deviceplugin.realnode import (
     npu_capacity,
 )
 from tests.drills.common import record, scale, table
-from tests.support.waiting import wait_for
+from tests.support.waiting import poll, wait_for
 
 pytestmark = pytest.mark.node
 
@@ -143,7 +143,9 @@ def context_of(core: client.CoreV1Api, namespace: str, name: str) -> int | None:
 def handed_twice(checkpoint: Path) -> list[int]:
     """Context IDs that more than one live allocation of the plugin's checkpoint holds."""
     counts = Counter(
-        cid for alloc in Checkpoint(checkpoint).read_live() for cid in alloc["contexts"].values()
+        cid
+        for alloc in Checkpoint(checkpoint).load().allocations
+        for cid in alloc.contexts.values()
     )
     return sorted(cid for cid, n in counts.items() if n > 1)
 
@@ -210,9 +212,7 @@ def unbound(pods: Pods, checkpoint: Path, timeout: float = 30.0) -> list[str]:
             if owners.get(cid) != f"{pods.namespace}/{name}/main"
         ]
 
-    deadline = time.monotonic() + timeout
-    while (left := missing()) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    left: list[str] = poll(missing, timeout, 0.5, until=lambda names: not names)
     return left
 
 

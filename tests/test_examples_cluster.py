@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import Kube
 
+pytestmark = pytest.mark.cluster
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 

@@ -4,8 +4,8 @@ The pods that make a digest "in use" are real pods on the real API server, bound
 name of this test's own (they never run: nothing serves that node), listed by the agent's own
 reader with a token of a ServiceAccount that may only list pods. What each pod's files are comes,
 in the agent, from the InferenceDeployment its pod watch read (`Fetcher.fetch_of`); here
-`_fetch_of` reads it from a test annotation instead (test_fetch_trust.py covers that resolution).
-The cache is a real directory filled past its budget.
+`_fetch_of` reads it from a test annotation instead (test_fetch_trust_cluster.py covers that
+resolution). The cache is a real directory filled past its budget.
 """
 
 from __future__ import annotations

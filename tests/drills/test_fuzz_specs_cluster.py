@@ -18,6 +18,7 @@ from tests.drills import fuzz
 from tests.drills.common import Operator, record, scale, table
 from tests.operator import rest
 from tests.operator.specs import manifest
+from tests.support.waiting import poll
 
 pytestmark = pytest.mark.cluster
 EXAMPLES = {"short": 50, "medium": 200, "full": 1000}
@@ -60,12 +61,16 @@ def served(api: ApiClient, ns: str, name: str) -> str | None:
 
 
 def wait_served(api: ApiClient, ns: str, names: list[str], timeout: float) -> dict[str, str | None]:
-    deadline = time.monotonic() + timeout
+    """What each object shows once all show something, or what they show at `timeout` (the
+    drill reports those that showed nothing)."""
     outcome: dict[str, str | None] = dict.fromkeys(names)
-    while time.monotonic() < deadline and not all(outcome.values()):
+
+    def all_answered() -> bool:
         for name in [n for n, v in outcome.items() if v is None]:
             outcome[name] = served(api, ns, name)
-        time.sleep(1)
+        return all(outcome.values())
+
+    poll(all_answered, timeout, 1)
     return outcome
 
 

