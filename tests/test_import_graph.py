@@ -119,6 +119,7 @@ CONTRACT = ("ember_runtime.contract",)
 # format (those are the contract's). `ember_runtime` itself is the package's docstring.
 SHARED = (
     "ember_runtime.asgi",  # the request body limit both HTTP processes put in front
+    "ember_runtime.cli",  # a process's settings from flags and EMBER_*, and its log format
     "ember_runtime.durable",  # fsync'd writes
     "ember_runtime.gguf_header",  # reads a GGUF's header (the sizing rule, the engines)
     "ember_runtime.heap",  # freezes the start-up heap

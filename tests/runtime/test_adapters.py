@@ -10,7 +10,6 @@ reference is llama.cpp's own `llama-server --lora` on the same files.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -25,18 +24,16 @@ from ember_runtime.engines.slots import Sequence, Slots
 from ember_runtime.server.app import create_app
 from pydantic import ValidationError
 
-from images.llama_build import ensure_llama_server
-from tests.runtime.conftest import CONTEXT, LiveServer, make_config, start_live
+from tests.runtime.conftest import LiveServer, make_config, start_live
 from tests.runtime.test_chat_parity import (
     CLEAR_MARGIN,
     CONVERSATIONS,
     _chat,
     _parting,
-    _wait_healthy,
+    reference_llama_server,
 )
 from tests.support.lora import write_lora
 from tests.support.model import sha256_file
-from tests.support.net import free_port
 
 BASE = "gemma-3-270m"
 GOOD = ("style-a", "style-b")
@@ -86,21 +83,10 @@ def llama_lora(
 ) -> Iterator[str]:
     """llama-server with style-a applied to every request (`--lora`, scale 1), laid out as the
     deterministic engine runs: plain (not repacked) weights, one sequence."""
-    log = (tmp_path_factory.mktemp("llama-server") / "log").open("wb")
-    port = free_port()
+    log_dir = tmp_path_factory.mktemp("llama-server")
     lora = str(adapter_files[GOOD[0]])
-    argv = [str(ensure_llama_server()), "-m", str(model_path), "--lora", lora]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "-t", "1", "-c", str(CONTEXT)]
-    argv += ["-np", "1", "--no-repack", "--no-jinja", "--chat-template", "gemma"]
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc)
+    with reference_llama_server(model_path, log_dir, "--lora", lora) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 async def _reply(url: str, model: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,23 +43,30 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 ]
 
 
+@contextmanager
+def reference_llama_server(model_path: Path, log_dir: Path, *extra: str) -> Iterator[str]:
+    """llama-server laid out as the deterministic engine runs (plain, not repacked, weights;
+    one sequence; 1 thread; Gemma's built-in template), `extra` flags added; its URL."""
+    binary = ensure_llama_server()  # built once from the same llama.cpp as the bindings
+    port = free_port()
+    argv = [str(binary), "-m", str(model_path), *extra, "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "-t", "1", "-c", str(CONTEXT), "-np", "1", "--no-repack"]
+    argv += ["--no-jinja", "--chat-template", "gemma"]
+    with (log_dir / "log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, proc)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def llama_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = ensure_llama_server()  # built once from the same llama.cpp as the bindings
-    log = (tmp_path_factory.mktemp("llama-server") / "log").open("wb")
-    port = free_port()
-    argv = [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["-t", "1", "-c", str(CONTEXT), "-np", "1", "--no-repack"]
-    argv += ["--no-jinja", "--chat-template", "gemma"]
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc)
+    with reference_llama_server(model_path, tmp_path_factory.mktemp("llama-server")) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 from pydantic_settings import CliApp
 
+from ..cli import configure_logging
 from ..heap import freeze_startup_heap
 from .allocator import CheckpointError
 from .config import PluginSettings
@@ -43,9 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = CliApp.run(PluginSettings, cli_args=args)
     except ValidationError as exc:
         sys.exit(f"invalid device plugin settings:\n{exc}")
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level)
     try:
         asyncio.run(run(settings))
     except CheckpointError as exc:

@@ -41,11 +41,8 @@ class LoadedAdapter:
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def refusal(spec: AdapterSpec, base_arch: str) -> str | None:

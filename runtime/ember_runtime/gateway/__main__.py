@@ -8,9 +8,8 @@ import sys
 from collections.abc import Sequence
 
 import uvicorn
-from pydantic import ValidationError
-from pydantic_settings import CliApp
 
+from ember_runtime.cli import configure_logging, read_settings
 from ember_runtime.gateway.app import Runner, create_app
 from ember_runtime.gateway.discovery import KubeDiscovery, static
 from ember_runtime.gateway.fleet import Fleet
@@ -33,15 +32,10 @@ def discovery(settings: GatewaySettings) -> Runner:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        settings = CliApp.run(GatewaySettings, cli_args=args)
-    except ValidationError as exc:
-        print(f"invalid gateway settings:\n{exc}", file=sys.stderr)
+    settings = read_settings(GatewaySettings, argv, "gateway")
+    if settings is None:
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the API reads: a line per request
     policy = Policy(prefix_chars=settings.prefix_chars, load_factor=settings.load_factor)
     fleet = Fleet(policy, interval=settings.probe_interval, timeout=settings.probe_timeout)

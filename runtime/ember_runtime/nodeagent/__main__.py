@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ember_runtime.cli import configure_logging, read_settings
 from ember_runtime.contract.config import SensorConfig
 from ember_runtime.contract.resource import SITE_LABEL
 from ember_runtime.contract.thermal import DEFAULTS, ThermalPolicy, ThermalReading, whole_degrees
@@ -309,15 +310,10 @@ def start_site_sharing(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        settings = CliApp.run(AgentSettings, cli_args=args)
-    except ValidationError as exc:
-        print(f"invalid node agent settings:\n{exc}", file=sys.stderr)
+    settings = read_settings(AgentSettings, argv, "node agent")
+    if settings is None:
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level)
     asyncio.run(run(settings))
     return 0
 

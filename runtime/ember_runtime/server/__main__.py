@@ -23,6 +23,7 @@ from types import FrameType
 import uvicorn
 
 from ember_runtime import termination
+from ember_runtime.cli import configure_logging
 from ember_runtime.contract import reasons
 from ember_runtime.contract.manifest import resolve_model_path
 from ember_runtime.engines.base import EngineUnavailableError
@@ -69,10 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"invalid runtime settings:\n{exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(settings.log_level)
     config = settings.config
     try:
         model = settings.model_path
