@@ -104,6 +104,7 @@ def clear_leftovers(kube: Kube) -> None:
         print(f"deleting InferenceDeployments left on the cluster: {' '.join(objs)}")
         kubectl("delete", "infd", "--all", "-A", "--wait=false")
     _uninstall_ember_releases(kube)
+    _delete_stray_gateway_rbac(kube)
     # An operator that is gone (uninstalled above, or a killed test run) cannot lift the
     # finalizer Kopf put on its objects; nothing of theirs lives outside the cluster (children
     # go by garbage collection), so lifting it here loses nothing.
@@ -132,6 +133,18 @@ def clear_leftovers(kube: Kube) -> None:
 
     what = "the leftover InferenceDeployments and their pods to go"
     wait_for(what, left, 180, 1, until=lambda names: not names)
+
+
+def _delete_stray_gateway_rbac(kube: Kube) -> None:
+    """The gateway's cluster-wide RBAC a killed cluster test applied (`kube_site.
+    applied_gateway_rbac`) and never removed: owned by no Helm release (those were uninstalled
+    just before), it would make every later `helm install` with gateway sites fail."""
+    for kind in ("clusterrole", "clusterrolebinding"):
+        out = kube.cluster.kubectl("get", kind, "ember-gateway-nodes", "-o", "json", check=False)
+        annotations = (json.loads(out or "{}").get("metadata") or {}).get("annotations") or {}
+        if out and "meta.helm.sh/release-name" not in annotations:
+            print(f"deleting the {kind} ember-gateway-nodes a killed test left")
+            kube.cluster.kubectl("delete", kind, "ember-gateway-nodes", "--ignore-not-found")
 
 
 def _uninstall_ember_releases(kube: Kube) -> None:

@@ -108,7 +108,7 @@ def _observe(
     except ValidationError as exc:  # the CRD should make this impossible; never crash-loop
         problem = render.Problem(reasons.INVALID_SPEC, str(exc)[:512])
         return Observation(deployment=None, pods=[], problems=[problem])
-    return Observation(deployment, pods, plan.problems, plan.spec.replicas, plan.adaptive)
+    return Observation(deployment, pods, plan.problems, plan.spec.desired_replicas(), plan.adaptive)
 
 
 def refresh(ctx: Context, key: Key, indexes: Mapping[str, Any], logger: Any) -> None:

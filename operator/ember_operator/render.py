@@ -21,9 +21,11 @@ from ember_runtime.contract.cache import (
     FETCH_HASH_ANNOTATION,
     INSTANCE_LABEL,
     VIEWS_DIR,
+    adapters_view,
     cache_label,
 )
 from ember_runtime.contract.config import (
+    AdapterConfig,
     EngineConfig,
     ModelFile,
     RuntimeConfig,
@@ -47,6 +49,8 @@ EXTENDED_RESOURCE = {
     AcceleratorKind.NPU: "ember.dev/npu",
 }
 API_KEY_DIR = "/etc/ember/api-key"
+# An http source's LoRA adapters: the node agent's per-object adapters view, read-only.
+ADAPTERS_MOUNT = "/adapters"
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 SITE_SLICE_LABEL = "ember.dev/site-slice"  # which site's Deployment a pod belongs to (rollouts)
 REVISION_LABEL = "ember.dev/revision"  # the spec revision a rolled-out pod runs
@@ -189,6 +193,7 @@ def runtime_config(spec: InferenceDeploymentSpec, settings: OperatorSettings) ->
             threads=threads_for(spec, settings),
             deterministic=spec.engine.deterministic,
             gpu_layers=spec.engine.gpu_layers,
+            adapters=adapter_configs(spec),
             args=dict(spec.engine.args),
         ),
         server=ServerConfig(
@@ -202,6 +207,23 @@ def runtime_config(spec: InferenceDeploymentSpec, settings: OperatorSettings) ->
         ),
         thermal=thermal_policy(spec),
     )
+
+
+def adapter_configs(spec: InferenceDeploymentSpec) -> list[AdapterConfig]:
+    """`spec.adapters` as the runtime reads them: with a hostPath, pvc or image source a path
+    relative to the model's directory (the runtime resolves it under `modelDir`); with an http
+    source the verified blob in the node agent's adapters view, `/adapters/<sha256>`. Not in
+    the restart hash (`RuntimeConfig.restart_relevant_yaml`): runtimes reload them live."""
+    http = spec.model.source.http is not None
+    return [
+        AdapterConfig(
+            name=a.name,
+            path=f"{ADAPTERS_MOUNT}/{a.sha256}" if http else a.path,
+            sha256=a.sha256,
+            scale=a.scale,
+        )
+        for a in spec.adapters
+    ]
 
 
 def thermal_policy(spec: InferenceDeploymentSpec) -> ThermalPolicy:
@@ -296,7 +318,12 @@ def _resources(spec: InferenceDeploymentSpec, sizing: Sizing) -> dict[str, dict[
 def _prewarm_resources(
     spec: InferenceDeploymentSpec, sizing: Sizing, memory_bytes: int
 ) -> dict[str, str]:
-    out = {"cpu": sizing.cpu, "memory": quantity.format_bytes(memory_bytes)}
+    # The user's CPU request when the spec sets one: the scheduler counts the larger of the
+    # init and the app containers, so a sized CPU here would undo a smaller one asked for the
+    # runtime (four quarter-core models on a 2-CPU node would each count a whole core).
+    user = spec.resources.requests.get("cpu") if spec.resources is not None else None
+    out = {"cpu": str(user) if user is not None else sizing.cpu}
+    out["memory"] = quantity.format_bytes(memory_bytes)
     # Preflight checks the accelerator the pod will use (GPU memory, NPU nodes and context env),
     # so the init container asks for it too. The kubelet hands an init container's devices on to
     # the app containers, so this never takes a second unit.
@@ -340,6 +367,22 @@ def digest_views(
             {"name": name, "mountPath": f"{settings.model_mount}/{sha}", "readOnly": True}
         )
     return volumes, mounts
+
+
+def adapters_volume(
+    owner: Owner, spec: InferenceDeploymentSpec, settings: OperatorSettings
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """An http source with adapters: the volume and the runtime's mount of the node agent's
+    view of this object's adapters, `<cache>/adapters/<namespace>/<name>/` (hard links named by
+    sha256 to the verified blobs of its own adapters only, never the cache). One directory per
+    object, so adding an adapter needs no new volume (a restart); type Directory, as the digest
+    views: the agent makes it for each object it serves here. Mounted whether or not the spec
+    lists adapters yet, so that the first one added (or the last removed) restarts nothing."""
+    if spec.model.source.http is None:
+        return None
+    path = adapters_view(settings.node_cache_root.rstrip("/"), owner.namespace, owner.name)
+    volume = {"name": "adapters", "hostPath": {"path": str(path), "type": "Directory"}}
+    return volume, {"name": "adapters", "mountPath": ADAPTERS_MOUNT, "readOnly": True}
 
 
 def _volumes_and_mounts(
@@ -500,6 +543,10 @@ def render(
     revision = slice_.revision if slice_ else None
     configmap = config_name(name, revision)
     volumes, runtime_mounts, prewarm_mounts = _volumes_and_mounts(spec, settings, configmap, sizing)
+    adapters = adapters_volume(owner, spec, settings)
+    if adapters is not None:
+        volumes.append(adapters[0])
+        runtime_mounts.append(adapters[1])
     prewarm_memory = quantity.ceil_mib(sizing.shared_memory_bytes + PREWARM_OVERHEAD_BYTES)
     selector, pod_labels = selector_for(name), labels_for(name)
     node_affinity = affinity(spec, slice_.site if slice_ else None)
@@ -509,7 +556,7 @@ def render(
     context = {
         "name": name,
         "deployment_name": site_deployment_name(name, slice_.site) if slice_ else name,
-        "replicas": slice_.replicas if slice_ else spec.replicas,
+        "replicas": slice_.replicas if slice_ else spec.desired_replicas(),
         "namespace": owner.namespace,
         "config_name": configmap,
         "labels": labels_for(name),
@@ -554,7 +601,7 @@ def render(
     kinds = ["deployment", "service"]
     if spec.rollout is not None:
         kinds = ["service"]  # one Deployment per site (`slice_`) instead
-    if spec.replicas > 1:
+    if spec.desired_replicas() > 1:
         kinds.append("poddisruptionbudget")
     first = [] if spec.rollout is not None else [config_map(context)]
     return [*first, *(_render_one(kind, context) for kind in kinds)]

@@ -44,7 +44,9 @@ from ember_operator.api.models import InferenceDeploymentSpec, ModelFormat
 from ember_operator.settings import OperatorSettings
 
 SHM_SLACK_BYTES = 64 * quantity.MIB
-STARTUP_PERIOD_SECONDS = 5
+# The startup probe's period: a replica is Ready within a second of its runtime answering (a
+# cold start from zero waits for exactly that); its failure threshold covers the load time.
+STARTUP_PERIOD_SECONDS = 1
 
 
 def find_gguf_shape(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> GGUFShape | None:

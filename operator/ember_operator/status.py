@@ -196,6 +196,8 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         "site": labels.get(SITE_SLICE_LABEL),
         "revision": labels.get(REVISION_LABEL),
         "health": parse_health_condition(status.get("conditions")),
+        # The runtime's LoRA adapters report (ember.dev/Adapters): served and refused names.
+        "adapters": reasons.parse_adapters_condition(status.get("conditions")),
     }
 
 
@@ -492,6 +494,31 @@ def _summary_reason(conditions: list[dict[str, Any]]) -> str:
     return str(by_type[PROGRESSING]["reason"])
 
 
+def adapters_ready(pods: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The `AdaptersReady` condition from the replicas' own reports (`ember.dev/Adapters`):
+    False with `AdapterRefused` naming each refused adapter and why (as its replicas say), else
+    True; None while no live replica has reported (no adapters, or none started yet). Ready is
+    not touched: a refused adapter leaves the base and the other adapters serving."""
+    reports = [
+        p["adapters"] for p in pods if not p.get("deleting") and p.get("adapters") is not None
+    ]
+    if not reports:
+        return None
+    refused: dict[str, set[str]] = {}
+    for report in reports:
+        for name, why in report.refused:
+            refused.setdefault(name, set()).add(why)
+    if refused:
+        parts = [f"{name}: {' | '.join(sorted(whys))}" for name, whys in sorted(refused.items())]
+        message = f"{len(refused)} adapter(s) refused: {'; '.join(parts)}"
+        return _condition(
+            reasons.ADAPTERS_READY, False, reasons.ADAPTER_REFUSED, message[:MAX_MESSAGE]
+        )
+    served = sorted({name for report in reports for name in report.served})
+    message = f"{len(served)} adapter(s) served by {len(reports)} replica(s)"
+    return _condition(reasons.ADAPTERS_READY, True, reasons.ADAPTERS_SERVED, message)
+
+
 def build_status(obs: Observed, old: Mapping[str, Any], now: str) -> InferenceDeploymentStatus:
     """The whole status subresource for `obs`, typed, reusing transition times from `old`."""
     replicas, ready, _ = _rollout(obs)
@@ -501,6 +528,9 @@ def build_status(obs: Observed, old: Mapping[str, Any], now: str) -> InferenceDe
     throttled = obs.thermal.throttled if obs.thermal else _find(old_conditions, THROTTLED)
     if throttled:
         computed.append({k: throttled.get(k, "") for k in ("type", "status", "reason", "message")})
+    adapters = adapters_ready(obs.pods)
+    if adapters is not None:
+        computed.append(adapters)
     conditions = _with_times(computed, old_conditions, now, obs.generation)
     rows = _replica_statuses(obs.pods, old.get("replicaStatuses") or [], obs.thermal)
     hottest = obs.thermal.hottest_celsius if obs.thermal else None

@@ -30,6 +30,7 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # Where the token and CA are, if not in a pod's usual place (a runtime run by hand on a node).
 SA_DIR_ENV = "EMBER_SERVICEACCOUNT_DIR"
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+MERGE_PATCH = "application/merge-patch+json"
 WATCH_SECONDS = 300  # the API server ends a watch after this; the caller starts the next one
 
 
@@ -109,6 +110,11 @@ class KubeClient:
         """POST/PUT/PATCH one object; the API server's answer (the object as stored)."""
         data: dict[str, Any] = (await self._request(method, path, body, content_type)).json()
         return data
+
+    async def patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch (RFC 7386): the fields in `body` replace the stored ones (the
+        gateway's `{"spec": {"replicas": n}}` to a scale subresource)."""
+        return await self.send("PATCH", path, body, MERGE_PATCH)
 
     async def patch_condition(self, path: str, condition: dict[str, Any]) -> None:
         """One condition into `path`'s `status.conditions`, merged by type (see above)."""

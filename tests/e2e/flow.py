@@ -498,23 +498,8 @@ class Flow:
         spare = self.free_cpu() - cpu / 2
         name = "ember-e2e-filler"
         if spare > 0:
-            pod = {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name, "namespace": namespace},
-                "spec": {
-                    "nodeName": self.target.node_name(),
-                    "containers": [
-                        {
-                            "name": "pause",
-                            "image": PAUSE_IMAGE,
-                            "imagePullPolicy": "Never",
-                            "resources": {"requests": {"cpu": f"{math.floor(spare * 1000)}m"}},
-                        }
-                    ],
-                },
-            }
-            self.apply(pod)
+            requests = {"cpu": f"{math.floor(spare * 1000)}m"}
+            self.apply(filler_pod(name, namespace, self.target.node_name(), requests))
         try:
             yield
         finally:
@@ -670,6 +655,22 @@ class DegradedClock:
         if reason is None or cond is None or now - self.since < self.grace:
             return None
         return f"Degraded {reason}: {cond.get('message', '')}"
+
+
+def filler_pod(name: str, namespace: str, node: str, requests: dict[str, str]) -> dict[str, Any]:
+    """A pause pod on `node` that holds `requests` of it (a node made full on purpose)."""
+    container = {
+        "name": "pause",
+        "image": PAUSE_IMAGE,
+        "imagePullPolicy": "Never",
+        "resources": {"requests": requests},
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"nodeName": node, "containers": [container]},
+    }
 
 
 def _pod_cpu(pod_spec: dict[str, Any]) -> Fraction:

@@ -23,18 +23,23 @@ from tests.e2e.flow import (
     COOL_CELSIUS,
     FAKE_NPUS,
     HOT_CELSIUS,
+    MODEL_DIR,
     SITE,
     SYSTEM_NS,
     Flow,
     Gateway,
 )
 from tests.e2e.local import local_flow
+from tests.support.lora import write_lora
+from tests.support.model import default_model_path, sha256_file
 from tests.support.waiting import wait_for
 
 # The first test's setup builds Ember's images: the runtime's first build compiles llama.cpp.
 pytestmark = [pytest.mark.node, pytest.mark.timeout(3600)]
 NAME = "gemma-e2e"
 MODEL = "gemma-3-270m"  # the manifest's model.name: what clients put in `model`
+LAZY, ADAPTER, OTHER = "gemma-on-demand", "gemma-on-demand-tenant-a", "gemma-other"
+IDLE_SECONDS = 5  # the CRD's least
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +192,17 @@ def test_edit_replaces_the_replica_on_a_full_node(flow: Flow, served: str) -> No
             "patch", "infd", NAME, "-n", served, "--type=merge", "-p", json.dumps(edit)
         )
         (new,) = flow.wait_rolled(NAME, served, [old])
-    deploy = json.loads(flow.run_kubectl("get", "deploy", NAME, "-n", served, "-o", "json"))
-    assert deploy["status"].get("updatedReplicas") == 1, deploy["status"]
+
+    def updated() -> dict[str, Any]:
+        deploy = json.loads(flow.run_kubectl("get", "deploy", NAME, "-n", served, "-o", "json"))
+        status: dict[str, Any] = deploy["status"]
+        return status
+
+    # The Deployment controller writes its status after the pod is Ready (a second, on a busy
+    # node, after the object already shows the new pod Ready).
+    wait_for(
+        "the Deployment's status", updated, 30, 0.5, until=lambda s: s.get("updatedReplicas") == 1
+    )
     assert new != old
 
 
@@ -212,6 +226,97 @@ def test_an_embedding_deployment_serves_embeddings_only(flow: Flow, served: str)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
     finally:
         flow.run_kubectl("delete", "infd", name, "-n", served, "--ignore-not-found", "--wait")
+
+
+def _lora_beside_the_model() -> dict[str, Any]:
+    """A generated LoRA of the test model on the node, beside the model (the local node's
+    filesystem is this machine's); its `spec.adapters` entry."""
+    path = MODEL_DIR / "adapters" / "tenant-a.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_lora(default_model_path(), path, seed=1)
+    for made in (path.parent, path):
+        made.chmod(0o755 if made.is_dir() else 0o644)  # the runtime is not root
+    sha = sha256_file(path)
+    return {
+        "name": ADAPTER,
+        "path": "adapters/tenant-a.gguf",
+        "sha256": sha,
+        "sizeBytes": path.stat().st_size,
+    }
+
+
+def _lazy(flow: Flow, name: str, namespace: str, model: str, idle: int) -> dict[str, Any]:
+    """A model at zero replicas that the gateway scales (0..1), a quarter of a core (as the
+    embedding step's: the served replica holds the node's CPU)."""
+    manifest = flow.model_manifest(name, namespace, replicas=0)
+    manifest["spec"]["model"]["name"] = model
+    manifest["spec"]["scaling"] = {"minReplicas": 0, "maxReplicas": 1, "idleSeconds": idle}
+    manifest["spec"]["resources"] = {"requests": {"cpu": "250m"}}
+    return manifest
+
+
+def test_models_at_zero_wake_swap_and_rest_through_the_gateway(
+    flow: Flow, served: str, gateway: Gateway
+) -> None:
+    """Scale to zero and swapping through the chart's gateway and operator on the real node.
+    Two models at zero are listed (one with its LoRA adapter). A request wakes `other` (held,
+    then answered). The node is then filled so that one more quarter core does not fit: a
+    request for `lazy` finds its pod Unschedulable, and the gateway scales the idle `other`
+    down to make room (a swap, in its metrics); `lazy` answers, its adapter answers on the same
+    replica with other text, a request that outlasts idleSeconds keeps its replica, and
+    idleSeconds after it the gateway scales `lazy` back to zero."""
+    name, other = f"{NAME}-lazy", f"{NAME}-other"
+    manifest = _lazy(flow, name, served, LAZY, IDLE_SECONDS)
+    manifest["spec"]["adapters"] = [_lora_beside_the_model()]
+    body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+    try:
+        with flow.dumping(served), flow.port_forward(gateway.service, SYSTEM_NS, 8080) as port:
+            flow.apply(manifest)
+            flow.apply(_lazy(flow, other, served, OTHER, 600))  # only a swap takes it down
+            base = f"http://127.0.0.1:{port}"
+
+            def listed() -> bool:
+                models = httpx.get(f"{base}/v1/models", timeout=5).json()["data"]
+                return {LAZY, ADAPTER, OTHER} <= {m["id"] for m in models}
+
+            wait_for(
+                "the gateway listing the models at zero", listed, 60, 0.5, tolerate=(Exception,)
+            )
+            assert flow.pods(name, served) == [] and flow.pods(other, served) == []
+            first = httpx.post(f"{base}/v1/completions", json={**body, "model": OTHER}, timeout=300)
+            assert first.status_code == 200, first.text
+            with flow.node_full_for(flow.replica_cpu(name, served), served):
+                woke = httpx.post(
+                    f"{base}/v1/completions", json={**body, "model": LAZY}, timeout=300
+                )
+                assert woke.status_code == 200, woke.text
+            metrics = httpx.get(f"{base}/metrics", timeout=5).text
+            assert f'ember_gateway_swaps_total{{deployment="{served}/{other}"}} 1.0' in metrics
+            assert flow.pods(other, served) == []
+            tuned = httpx.post(
+                f"{base}/v1/completions", json={**body, "model": ADAPTER}, timeout=60
+            )
+            assert tuned.status_code == 200, tuned.text
+            (pod,) = flow.pods(name, served)
+            # A request longer than idleSeconds: the model is not scaled down under it.
+            long = {**body, "model": LAZY, "max_tokens": 400, "ignore_eos": True}
+            began = time.monotonic()
+            streamed = httpx.post(f"{base}/v1/completions", json=long, timeout=300).json()
+            lasted = time.monotonic() - began
+            assert streamed["usage"]["completion_tokens"] == 400, streamed
+            assert lasted > IDLE_SECONDS, f"the request lasted {lasted:.1f} s only"
+            assert flow.pods(name, served) == [pod]
+
+            def at_zero() -> bool:
+                obj = json.loads(flow.run_kubectl("get", "infd", name, "-n", served, "-o", "json"))
+                return obj["spec"]["replicas"] == 0 and not flow.pods(name, served)
+
+            wait_for("the idle model back at zero", at_zero, 180, 1.0)
+        texts = [r.json()["choices"][0]["text"] for r in (woke, tuned)]
+        assert texts[0].strip() and texts[1].strip() and texts[0] != texts[1], texts
+    finally:
+        for gone in (name, other):
+            flow.run_kubectl("delete", "infd", gone, "-n", served, "--ignore-not-found", "--wait")
 
 
 def test_a_two_wave_rollout_through_the_chart(flow: Flow, served: str, kube: Kube) -> None:

@@ -5,7 +5,9 @@ at a runtime it started, with `point_at`)."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,28 @@ from tests.cluster.build import ensure_binaries
 from tests.cluster.fleet import SIM_TOLERATION
 from tests.conftest import Kube
 from tests.support.waiting import wait_for
-from tests.thermal.kube_support import CHART, token_dir
+from tests.thermal.kube_support import CHART, kubectl_apply, token_dir
 
 SA = "ember-gateway"
+
+
+@contextlib.contextmanager
+def applied_gateway_rbac(
+    kube: Kube, namespace: str, site: str, key_secrets: tuple[str, ...], tmp: Path
+) -> Iterator[None]:
+    """`gateway_rbac` applied for the duration. The namespace takes its own objects along; the
+    chart's ClusterRole and binding would outlive it and block every later `helm install` with
+    the gateway's sites ("ClusterRole ember-gateway-nodes exists and cannot be imported into
+    the current release"), so they are deleted here."""
+    rbac = gateway_rbac(namespace, site, key_secrets)
+    kubectl_apply(kube, rbac, tmp)
+    try:
+        yield
+    finally:
+        for obj in rbac:
+            if obj["kind"].startswith("Cluster"):
+                kind, name = obj["kind"].lower(), obj["metadata"]["name"]
+                kube.kubectl("delete", kind, name, "--ignore-not-found")
 
 
 def gateway_rbac(namespace: str, site: str, key_secrets: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -26,8 +47,9 @@ def gateway_rbac(namespace: str, site: str, key_secrets: tuple[str, ...]) -> lis
     binding, reading `key_secrets` (the Secrets holding the models' API keys) and nothing else."""
     argv = [str(ensure_binaries() / "helm"), "template", "ember", str(CHART), "-n", namespace,
             "--kube-version", "1.36.3", "--show-only", "templates/gateway.yaml",
-            "--set", "gateway.enabled=true", "--set", f"gateway.sites[0].name={site}",
-            "--set", f"gateway.apiKeySecrets={{{','.join(key_secrets)}}}"]  # fmt: skip
+            "--set", "gateway.enabled=true", "--set", f"gateway.sites[0].name={site}"]  # fmt: skip
+    if key_secrets:  # helm refuses an empty list in --set
+        argv += ["--set", f"gateway.apiKeySecrets={{{','.join(key_secrets)}}}"]
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     return [d for d in docs if d["kind"] not in ("Deployment", "Service")]

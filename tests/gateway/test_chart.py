@@ -47,6 +47,9 @@ def test_rbac_reads_only_what_it_serves(helm: str) -> None:
     assert role["rules"] == [
         {"apiGroups": ["ember.dev"], "resources": ["inferencedeployments"],
          "verbs": ["get", "list", "watch"]},
+        # the scaler's one write: spec.replicas through the scale subresource
+        {"apiGroups": ["ember.dev"], "resources": ["inferencedeployments/scale"],
+         "verbs": ["get", "patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["chat-key", "embed-key"],
          "verbs": ["get"]},
@@ -69,6 +72,9 @@ def test_rbac_reads_only_what_it_serves(helm: str) -> None:
     ("flag", "message"),
     [
         ("gateway.loadFactor=0.5", "loadFactor"),
+        ("gateway.hold.maxRequests=-1", "maxRequests"),
+        ("gateway.hold.timeoutSeconds=0", "timeoutSeconds"),
+        ("gateway.swapIntervalSeconds=0", "swapIntervalSeconds"),
         ("gateway.port=80", "port"),
         ("gateway.sites[0].name=bad site", "name"),
         ("gateway.unknown=1", "unknown"),

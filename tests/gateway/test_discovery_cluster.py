@@ -23,11 +23,11 @@ from kubernetes import client
 
 from tests.cluster.fleet import create_nodes, node_manifest
 from tests.conftest import Kube
-from tests.gateway.kube_site import gateway_rbac, gateway_token, ips, pod
+from tests.gateway.kube_site import applied_gateway_rbac, gateway_token, ips, pod
 from tests.operator.conftest import crd
 from tests.operator.specs import manifest
 from tests.support.waiting import wait_async
-from tests.thermal.kube_support import TcpProxy, api_server, kubectl_apply
+from tests.thermal.kube_support import TcpProxy, api_server
 
 pytestmark = pytest.mark.cluster
 __all__ = ["crd"]  # the fixture
@@ -41,7 +41,8 @@ def test_discovery_with_the_charts_rbac_and_offline(
     site = f"site-{tag}"
     create_nodes(kube.api, [node_manifest(here, site), node_manifest(there, f"other-{tag}")])
     try:
-        _scenario(kube, namespace, tmp_path, here=here, there=there, site=site)
+        with applied_gateway_rbac(kube, namespace, site, ("alpha-key",), tmp_path):
+            _scenario(kube, namespace, tmp_path, here=here, there=there, site=site)
     finally:
         for node in (here, there):
             kube.core.delete_node(node)
@@ -53,7 +54,6 @@ def _scenario(kube: Kube, ns: str, tmp: Path, *, here: str, there: str, site: st
             metadata=client.V1ObjectMeta(name=name), string_data={"key": value}
         )
         kube.core.create_namespaced_secret(ns, secret)
-    kubectl_apply(kube, gateway_rbac(ns, site, ("alpha-key",)), tmp)
     sa = gateway_token(kube, ns, tmp / "sa")
     key_ref = {"apiKeySecretRef": {"name": "alpha-key", "key": "key"}, "port": 8081}
     for body in (manifest("alpha", server=key_ref), manifest("beta")):

@@ -38,13 +38,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.cluster.fleet import create_nodes, node_manifest
 from tests.conftest import Kube
 from tests.gateway.conftest import POLICY, prompt_preferring
-from tests.gateway.kube_site import gateway_rbac, gateway_token, ips, pod, point_at
+from tests.gateway.kube_site import applied_gateway_rbac, gateway_token, ips, pod, point_at
 from tests.operator.conftest import crd
 from tests.operator.specs import manifest
 from tests.support.net import free_port
 from tests.support.waiting import wait_for
 from tests.thermal.conftest import FakeThermalTree
-from tests.thermal.kube_support import TcpProxy, api_server, kubectl_apply
+from tests.thermal.kube_support import TcpProxy, api_server
 from tests.thermal.runtime_proc import RuntimeProcess, start_runtime
 
 pytestmark = pytest.mark.cluster
@@ -106,17 +106,7 @@ def gateway_site(kube: Kube, ns: str, tmp: Path, replicas: dict[str, int]) -> It
             metadata=client.V1ObjectMeta(name=KEY_SECRET), string_data={"key": ALPHA_KEY}
         )
         kube.core.create_namespaced_secret(ns, secret)
-        rbac = gateway_rbac(ns, site, (KEY_SECRET,))
-        kubectl_apply(kube, rbac, tmp)
-        # The namespace takes the rest along; the chart's ClusterRole and binding would outlive
-        # it, and block every later `helm install` with the gateway's sites ("ClusterRole
-        # ember-gateway-nodes exists and cannot be imported into the current release").
-        for obj in rbac:
-            if obj["kind"].startswith("Cluster"):
-                name = obj["metadata"]["name"]
-                stack.callback(
-                    kube.kubectl, "delete", obj["kind"].lower(), name, "--ignore-not-found"
-                )
+        stack.enter_context(applied_gateway_rbac(kube, ns, site, (KEY_SECRET,), tmp))
         ports = {model: free_port() for model in replicas}
         for model, port in ports.items():
             server: dict[str, Any] = {"port": port}

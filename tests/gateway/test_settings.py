@@ -19,11 +19,13 @@ FIELDS = GatewaySettings.model_fields
 
 def test_flags_as_the_tests_and_benches_pass_them() -> None:
     argv = ["--static", "/tmp/routes.json", "--host", "127.0.0.1", "--port", "9000",
-            "--prefix-chars", "64", "--probe-interval", "0.2", "--load-factor", "1.5"]  # fmt: skip
+            "--prefix-chars", "64", "--probe-interval", "0.2", "--load-factor", "1.5",
+            "--hold-max-requests", "8", "--hold-timeout", "30"]  # fmt: skip
     settings = CliApp.run(GatewaySettings, cli_args=argv)
     assert settings.static == Path("/tmp/routes.json")
     assert (settings.host, settings.port, settings.prefix_chars) == ("127.0.0.1", 9000, 64)
     assert (settings.probe_interval, settings.load_factor) == (0.2, 1.5)
+    assert (settings.hold_max_requests, settings.hold_timeout) == (8, 30.0)
 
 
 def test_the_charts_environment(helm: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,6 +47,8 @@ def test_the_charts_environment(helm: str, monkeypatch: pytest.MonkeyPatch) -> N
         256,
         1.25,
     )
+    assert (settings.hold_max_requests, settings.hold_timeout) == (64, 120.0)
+    assert (settings.scale_interval, settings.swap_interval) == (1.0, 30.0)
 
 
 @pytest.mark.parametrize(
@@ -53,6 +57,8 @@ def test_the_charts_environment(helm: str, monkeypatch: pytest.MonkeyPatch) -> N
         ([], "--namespace (the API server) or --static (a routes file) is required"),
         (["--namespace", "ns", "--load-factor", "0.9"], "load_factor"),
         (["--namespace", "ns", "--probe-interval", "0"], "probe_interval"),
+        (["--namespace", "ns", "--hold-timeout", "0"], "hold_timeout"),
+        (["--namespace", "ns", "--hold-max-requests", "-1"], "hold_max_requests"),
     ],
 )
 def test_a_start_it_cannot_serve_is_refused(

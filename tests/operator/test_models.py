@@ -92,3 +92,23 @@ def test_status_round_trips_in_camel_case() -> None:
     assert status.replica_statuses[0].temperature_celsius == 71.5
     dumped = status.model_dump(by_alias=True, exclude_none=True)
     assert dumped["replicaStatuses"][0]["maxBatchSize"] == 8
+
+
+@pytest.mark.parametrize(
+    ("replicas", "scaling", "desired"),
+    [
+        (3, None, 3),  # no scaling: spec.replicas as written
+        (0, {}, 0),  # the defaults let a model rest at zero
+        (5, {}, 1),  # ... and never run more than maxReplicas (1)
+        (0, {"minReplicas": 2, "maxReplicas": 4}, 2),  # a hand-written 0 below the floor
+        (3, {"minReplicas": 2, "maxReplicas": 4}, 3),
+    ],
+)
+def test_desired_replicas_stay_within_scaling(
+    replicas: int, scaling: dict[str, int] | None, desired: int
+) -> None:
+    overrides: dict[str, Any] = {"replicas": replicas}
+    if scaling is not None:
+        overrides["scaling"] = scaling
+    spec = parse_spec(manifest(**overrides)["spec"])
+    assert spec.desired_replicas() == desired

@@ -352,7 +352,11 @@ def test_http_source_mounts_only_its_own_digests_and_tells_the_agent_what_to_fet
     pod = _pod(out)
     sha = manifest()["spec"]["model"]["files"][0]["sha256"]
     host_paths = [v["hostPath"] for v in pod["volumes"] if "hostPath" in v]
-    assert host_paths == [{"path": f"/var/lib/ember/cache/views/{sha}", "type": "Directory"}]
+    # Its digest's view, and its own adapters view (hard links to its adapters only).
+    assert host_paths == [
+        {"path": f"/var/lib/ember/cache/views/{sha}", "type": "Directory"},
+        {"path": "/var/lib/ember/cache/adapters/ns/demo", "type": "Directory"},
+    ]
     prewarm = pod["initContainers"][0]
     view = {"name": "model-0", "mountPath": f"/models/{sha}", "readOnly": True}
     assert view in prewarm["volumeMounts"]
@@ -414,3 +418,15 @@ def test_http_source_prefers_nodes_that_hold_the_model() -> None:
     assert list(one) == ["preferredDuringSchedulingIgnoredDuringExecution"]
     assert one["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"] == 100
     assert "affinity" not in _pod(_render())
+
+
+def test_prewarm_asks_for_the_cpu_the_user_asked_for_the_runtime() -> None:
+    """The scheduler counts the larger of the init and app containers' requests: a sized CPU
+    on prewarm would make a quarter-core replica count a whole core (four such models would not
+    fit a 2-CPU node). Sized when the spec sets no resources."""
+    small = _pod(_render(resources={"requests": {"cpu": "250m"}}))
+    assert small["initContainers"][0]["resources"]["requests"]["cpu"] == "250m"
+    assert small["containers"][0]["resources"]["requests"]["cpu"] == "250m"
+    sized = _pod(_render())
+    prewarm, runtime = sized["initContainers"][0], sized["containers"][0]
+    assert prewarm["resources"]["requests"]["cpu"] == runtime["resources"]["requests"]["cpu"]

@@ -40,6 +40,10 @@ HOST = {"hostPath": {"path": "/models"}}
 HTTP = {"http": {"urls": {"gemma.gguf": "https://models.example/gemma.gguf"}}}
 
 
+ADAPTER = {"name": "gemma-sql", "path": "adapters/sql.gguf", "sha256": SHA, "sizeBytes": 10}
+HTTP_ADAPTER = {**ADAPTER, "url": "https://models.example/sql.gguf"}
+
+
 def http_url(url: str) -> Change:
     return path("spec.model.source", {"http": {"urls": {"gemma.gguf": url}}})
 
@@ -287,6 +291,41 @@ REJECT: list[tuple[str, Change, str]] = [
         'Unsupported value: "none": supported values: "mean", "cls", "last"',
     ),
     ("unknown-task", path("spec.model.task", "rerank"), 'Unsupported value: "rerank"'),
+    (
+        "adapter-named-as-base",
+        spec(adapters=[{**ADAPTER, "name": MODEL["name"]}]),
+        "adapters[].name must differ from model.name",
+    ),
+    (
+        "adapter-duplicate-name",
+        spec(adapters=[ADAPTER, {**ADAPTER, "path": "b.gguf"}]),
+        "Duplicate value",
+    ),
+    ("adapter-name-space", spec(adapters=[{**ADAPTER, "name": "a b"}]), "must not contain white"),
+    ("adapter-bad-sha", spec(adapters=[{**ADAPTER, "sha256": "x"}]), "adapters[].sha256 must be"),
+    ("adapter-escapes", spec(adapters=[{**ADAPTER, "path": "../x.gguf"}]), "without '..'"),
+    ("adapter-url-on-hostpath", spec(adapters=[HTTP_ADAPTER]), "adapters[].url is required"),
+    (
+        "adapter-no-url-on-http",
+        spec(adapters=[ADAPTER], model={**MODEL, "source": HTTP}, prewarm={"enabled": True}),
+        "adapters[].url is required",
+    ),
+    (
+        "adapter-on-embedder",
+        spec(adapters=[ADAPTER], model={**MODEL, "task": "embed"}),
+        "adapters require engine.kind llamacpp and model.task generate",
+    ),
+    (
+        "scaling-min-above-max",
+        spec(scaling={"minReplicas": 3, "maxReplicas": 2}),
+        "scaling.minReplicas must be less than or equal to scaling.maxReplicas",
+    ),
+    ("scaling-zero-max", spec(scaling={"maxReplicas": 0}), "greater than or equal to 1"),
+    (
+        "scaling-with-rollout",
+        spec(scaling={}, rollout={"waves": [{"name": "all", "percent": 100}]}),
+        "scaling and rollout cannot be combined",
+    ),
 ]
 
 ACCEPT: list[tuple[str, Change]] = [
@@ -334,6 +373,13 @@ ACCEPT: list[tuple[str, Change]] = [
     ("embed-pooling-from-the-gguf", path("spec.model.task", "embed")),
     ("embed-with-pooling", path("spec.model", {**MODEL, "task": "embed", "pooling": "cls"})),
     ("generate-explicitly", path("spec.model.task", "generate")),
+    ("adapters-hostpath", spec(adapters=[ADAPTER, {**ADAPTER, "name": "b", "scale": 0.5}])),
+    (
+        "adapters-http",
+        spec(adapters=[HTTP_ADAPTER], model={**MODEL, "source": HTTP}, prewarm={"enabled": True}),
+    ),
+    ("scaling-defaults", spec(scaling={})),
+    ("scaling-bounds", spec(scaling={"minReplicas": 1, "maxReplicas": 4, "priority": -5})),
 ]
 
 

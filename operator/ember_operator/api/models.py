@@ -681,6 +681,98 @@ class RolloutSpec(CrdModel):
     )
 
 
+# ----------------------------------------------------------------------------- adapters
+
+
+class AdapterSpec(CrdModel):
+    """A LoRA adapter of the base model, served under its own model name."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        description="The model name clients ask for (OpenAI `model`), in /v1/models and the "
+        "gateway; must differ from model.name.",
+        json_schema_extra=rules(
+            cel("!self.matches('\\\\s')", "adapters[].name must not contain whitespace")
+        ),
+    )
+    path: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="The adapter GGUF, relative to the model's source directory (hostPath, pvc, "
+        "image). With an http source: its name beside the other adapters.",
+        json_schema_extra=rules(
+            cel(
+                "!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",
+                "adapters[].path must be a relative path without '..' components",
+            )
+        ),
+    )
+    url: Url | None = Field(
+        default=None,
+        description="With an http model source (and only there): where the node agent fetches "
+        "it, once per site, verified like the model's files.",
+    )
+    sha256: str = Field(
+        max_length=64,
+        description="Lowercase hex SHA-256 of the file; a file that differs is refused (the "
+        "base keeps serving, status says why).",
+        json_schema_extra=rules(
+            cel(
+                "self.matches('^[0-9a-f]{64}$')",
+                "adapters[].sha256 must be exactly 64 lowercase hexadecimal characters",
+            )
+        ),
+    )
+    size_bytes: int = Field(ge=1, le=2**40, description="Size of the file in bytes.")
+    scale: float = Field(default=1.0, ge=0.0, le=100.0, description="LoRA scale.")
+
+
+# ----------------------------------------------------------------------------- scaling
+
+
+class ScalingSpec(CrdModel):
+    """Replicas follow demand, down to zero: the site gateway holds requests for a model with
+    no ready replica, asks for one through the scale subresource and releases them when it is
+    Ready; it scales an idle model down after idleSeconds."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "self.minReplicas <= self.maxReplicas",
+                "scaling.minReplicas must be less than or equal to scaling.maxReplicas",
+            )
+        )
+    )
+
+    min_replicas: int = Field(
+        default=0, ge=0, le=1000, description="Fewest replicas; 0 lets the model scale to zero."
+    )
+    max_replicas: int = Field(default=1, ge=1, le=1000, description="Most replicas.")
+    idle_seconds: int = Field(
+        default=300,
+        ge=5,
+        le=604_800,
+        description="How long demand must stay below the replicas before one is removed "
+        "(scale-down stabilization; also how long an idle model stays loaded).",
+    )
+    target_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="Requests in flight per replica the gateway scales for (default: "
+        "engine.maxBatchSize).",
+    )
+    priority: int = Field(
+        default=0,
+        ge=-1000,
+        le=1000,
+        description="When a site's memory is short, idle models of the lowest priority are "
+        "scaled down first, least recently used first among equals; a model is never scaled "
+        "down for one of lower priority.",
+    )
+
+
 # ----------------------------------------------------------------------------- spec
 
 
@@ -711,6 +803,24 @@ _SPEC_RULES = rules(
     cel(
         "!has(self.model.source.http) || self.prewarm.enabled",
         "model.source.http requires prewarm.enabled",
+    ),
+    cel(
+        "!has(self.adapters) || self.adapters.size() == 0 || "
+        "(self.engine.kind == 'llamacpp' && self.model.task == 'generate')",
+        "adapters require engine.kind llamacpp and model.task generate",
+    ),
+    cel(
+        "!has(self.adapters) || self.adapters.all(a, a.name != self.model.name)",
+        "adapters[].name must differ from model.name",
+    ),
+    cel(
+        "!has(self.adapters) || self.adapters.all(a, has(a.url) == has(self.model.source.http))",
+        "adapters[].url is required with model.source.http and only there (with any other "
+        "source the adapter lies in the model's directory)",
+    ),
+    cel(
+        "!has(self.scaling) || !has(self.rollout)",
+        "scaling and rollout cannot be combined: a rollout fixes each site's replicas",
     ),
 )
 
@@ -760,6 +870,26 @@ class InferenceDeploymentSpec(CrdModel):
         "With a rollout each site runs its own Deployment and spec.replicas is split "
         "evenly over the sites.",
     )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=64,
+        description="LoRA adapters served on the loaded base model, each under its own model "
+        "name, applied per request. Adding or removing one restarts nothing.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    scaling: ScalingSpec | None = Field(
+        default=None,
+        description="Scale with demand, to zero if minReplicas is 0 (the site gateway drives "
+        "spec.replicas through the scale subresource, within minReplicas..maxReplicas).",
+    )
+
+    def desired_replicas(self) -> int:
+        """The replicas to run: spec.replicas, held within scaling's bounds when it has them
+        (the gateway writes spec.replicas; a hand-written value outside them is clamped, not
+        refused, so `kubectl scale` never fails on a scaled object)."""
+        if self.scaling is None:
+            return self.replicas
+        return min(max(self.replicas, self.scaling.min_replicas), self.scaling.max_replicas)
 
 
 # ----------------------------------------------------------------------------- status
@@ -772,7 +902,10 @@ class ConditionStatus(StrEnum):
 
 
 class Condition(CrdModel):
-    type: str = Field(description="Ready, Progressing, Degraded or Throttled.")
+    type: str = Field(
+        description="Ready, Progressing, Degraded, Throttled, AdaptersReady, Reconciling or "
+        "Stalled."
+    )
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason for the last transition.")
     message: str = Field(default="", description="Human-readable detail.")

@@ -10,6 +10,9 @@ replica's view of it (prewarm/cachewait.py); the operator renders the labels and
     <root>/used/<digest>              when a pod on this node last named it (eviction)
     <root>/views/<digest>/            one replica's view of one digest (below)
         data, data.partial, failed, waiting   hard links / copies of the four above
+    <root>/adapters/<namespace>/<name>/<digest>
+                                      one InferenceDeployment's LoRA adapters (http source):
+                                      hard links to the verified blobs of its own adapters only
 """
 
 from __future__ import annotations
@@ -25,10 +28,21 @@ USED_DIR = "used"
 # `data.partial`, and `failed`/`waiting` lines; never the cache itself (nodeagent/views.py).
 VIEWS_DIR = "views"
 VIEW_DATA = "data"
+# An http source's LoRA adapters (spec.adapters[].url): per InferenceDeployment, one directory
+# `<cache>/adapters/<namespace>/<name>/` holding `<digest>`, a hard link to each verified blob of
+# that object's adapters (and nothing else), mounted read-only into its runtime containers.
+# Per object, not per digest, so an adapter added to the spec appears in a mount the pod already
+# has: hot plug without a new volume (nodeagent/adapterviews.py, render._adapters_view).
+ADAPTERS_DIR = "adapters"
 VIEW_FAILED = FAILED_DIR
 VIEW_WAITING = WAITING_DIR
 PARTIAL_SUFFIX = ".partial"
 HEX = frozenset("0123456789abcdef")
+
+
+def adapters_view(root: str | Path, namespace: str, name: str) -> Path:
+    """`<root>/adapters/<namespace>/<name>`: one InferenceDeployment's adapters view."""
+    return Path(root) / ADAPTERS_DIR / namespace / name
 
 
 def is_digest(name: str) -> bool:

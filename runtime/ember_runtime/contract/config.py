@@ -3,8 +3,9 @@
 with `load_config`. Field names are camelCase on the wire (like every Kubernetes object) and
 snake_case in Python.
 
-Its `thermal:` section (`contract.thermal.ThermalPolicy`) is left out of the pod template's
-config hash, so changing it reloads the runtimes instead of restarting them. The batch ceiling
+Its `thermal:` section (`contract.thermal.ThermalPolicy`) and `engine.adapters` are left out of
+the pod template's config hash, so changing them reloads the runtimes instead of restarting
+them. The batch ceiling
 is `engine.maxBatchSize` alone: the governor applies the policy to it (`BatchLimits`).
 """
 
@@ -18,10 +19,10 @@ from pathlib import Path
 from typing import Any, Literal, Self
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, TypeAdapter, model_validator
 
 from ember_runtime.contract.cache import VIEW_DATA
-from ember_runtime.contract.resource import read_model
+from ember_runtime.contract.resource import AdapterView, read_model
 from ember_runtime.contract.thermal import (
     DEFAULT_MAX_BATCH_SIZE,
     Batch,
@@ -52,11 +53,33 @@ class ModelFetch(Wire):
         default=None, description="Secret in the node agent's namespace with credentials."
     )
     files: list[FetchFile]
+    adapters: list[FetchFile] = Field(
+        default_factory=list,
+        description="spec.adapters[] with a url (http source): fetched like the model's files "
+        "into the node cache, linked into the object's adapters view (contract.cache).",
+    )
 
     def digest(self) -> str:
-        """`FETCH_HASH_ANNOTATION`'s value: changes with any URL, digest, size or Secret."""
-        text = self.model_dump_json(by_alias=True, exclude_none=True)
+        """`FETCH_HASH_ANNOTATION`'s value: changes with any URL, digest, size or Secret of the
+        model's files. Not with the adapters: adding one restarts no pod (the node agent reads
+        the spec again by itself, `nodeagent.fetcher`)."""
+        text = self.model_dump_json(by_alias=True, exclude_none=True, exclude={"adapters"})
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def all_files(self) -> list[FetchFile]:
+        """The model's files and the adapters': every digest this fetch keeps in the cache."""
+        return [*self.files, *self.adapters]
+
+
+def adapter_fetches(adapters: Any) -> list[FetchFile]:
+    """An InferenceDeployment's `spec.adapters` (as the API server returns it) → the ones to
+    fetch (those with a url: an http source's). Raises ValueError on a shape the CRD refuses."""
+    views = TypeAdapter(list[AdapterView]).validate_python(adapters or [])
+    return [
+        FetchFile(url=a.url, sha256=a.sha256, size_bytes=a.size_bytes)
+        for a in views
+        if a.url is not None
+    ]
 
 
 def fetch_from_spec(model: Any) -> ModelFetch | None:
@@ -161,7 +184,8 @@ class EngineConfig(Wire):
     )
     adapters: list[AdapterConfig] = Field(
         default_factory=list,
-        description="llamacpp: LoRA adapters loaded at start beside the base (engines/llamacpp).",
+        description="llamacpp: LoRA adapters served beside the base, reloaded live from this "
+        "file (server/adapters.py).",
     )
     args: dict[str, str] = Field(default_factory=dict)
 
@@ -338,8 +362,9 @@ class RuntimeConfig(Wire):
         # existing replica when the operator is upgraded.
         exclude = {"thermal"} | {k for k in _NEWER_FIELDS if getattr(self, k) == _DEFAULTS[k]}
         data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
-        if not self.engine.adapters:  # as above: no roll for an upgrade that adds the field
-            data["engine"].pop("adapters")
+        # The LoRA adapters are reloaded live too (server/adapters.py): adding or removing one
+        # restarts nothing (their files come through mounts the pods already have).
+        data["engine"].pop("adapters")
         return dump_yaml(data, sort_keys=False)
 
 

@@ -12,6 +12,7 @@ ember_runtime.contract.reasons README.md` rewrites it; a test fails when it is s
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,6 +316,94 @@ _define(
     "the driver or `npu-smi`; the runtime retries by itself.",
     condition=_THERMAL,
 )
+
+
+# --- LoRA adapters (spec.adapters, issue 47) --------------------------------------------------
+# The runtime keeps `ADAPTERS_CONDITION` on its own Pod (beside ember.dev/Thermal and
+# ember.dev/Health; the chart's admission policy lets it change only those): which adapters it
+# serves and why it refuses the others. The operator folds its replicas' reports into the
+# InferenceDeployment's `AdaptersReady` condition; Ready is not touched (the base serves on).
+ADAPTERS_CONDITION = "ember.dev/Adapters"
+ADAPTERS_READY = "AdaptersReady"
+ADAPTERS_PREFIX = "ember.dev/adapters.v1 "
+MAX_ADAPTERS = 64  # the CRD's spec.adapters maxItems
+MAX_ADAPTER_REASON = 512
+ADAPTER_REFUSED = _define(
+    "AdapterRefused",
+    RUNTIME,
+    "A LoRA adapter of `spec.adapters` is not served; the base and the other adapters are "
+    "(message: the adapter and why: a sha256 that differs from the file, an adapter of "
+    "another base model, a file not found or not fetched yet). Fix the file or the entry; "
+    "the runtime tries again when its file changes, with no restart.",
+    condition=ADAPTERS_READY,
+)
+ADAPTERS_SERVED = _define(
+    "AdaptersServed",
+    RUNTIME,
+    "Every adapter of `spec.adapters` is served by every replica that reports.",
+    condition=ADAPTERS_READY,
+)
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """One replica's adapters: the names it serves, and (name, why) for each it refuses."""
+
+    served: tuple[str, ...] = ()
+    refused: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def reason(self) -> str:
+        return ADAPTER_REFUSED if self.refused else ADAPTERS_SERVED
+
+    def summary(self) -> str:
+        if not self.refused:
+            return f"{len(self.served)} served"
+        return "; ".join(f"{name}: {why}" for name, why in self.refused)
+
+
+def adapters_condition(report: AdapterReport, now: str) -> dict[str, object]:
+    """The runtime's pod condition: the human line, then `ADAPTERS_PREFIX` + JSON."""
+    data = {"served": list(report.served), "refused": dict(report.refused)}
+    return {
+        "type": ADAPTERS_CONDITION,
+        "status": "False" if report.refused else "True",
+        "reason": report.reason,
+        "message": f"{report.summary()}\n{ADAPTERS_PREFIX}{json.dumps(data, sort_keys=True)}",
+        "lastTransitionTime": now,
+    }
+
+
+def parse_adapters_condition(conditions: list[dict[str, object]] | None) -> AdapterReport | None:
+    """The `ADAPTERS_CONDITION` among a Pod's conditions, typed; None if absent or not one
+    `adapters_condition` wrote (the writer is a tenant's pod: bounded, never trusted)."""
+    cond = next((c for c in conditions or [] if c.get("type") == ADAPTERS_CONDITION), None)
+    if cond is None:
+        return None
+    try:
+        report = _decode_adapters(str(cond.get("message") or ""))
+    except ValueError:
+        return None
+    return report if cond.get("reason") == report.reason else None
+
+
+def _decode_adapters(message: str) -> AdapterReport:
+    _, sep, payload = message.partition(ADAPTERS_PREFIX)
+    data = json.loads(payload) if sep else None
+    if not isinstance(data, dict):
+        raise ValueError("no adapters report")
+    served, refused = data.get("served"), data.get("refused")
+    if not isinstance(served, list) or not isinstance(refused, dict):
+        raise ValueError("malformed adapters report")
+    names = [*served, *refused]
+    if len(names) > MAX_ADAPTERS or not all(
+        isinstance(n, str) and 0 < len(n) <= 253 for n in names
+    ):
+        raise ValueError("malformed adapter names")
+    if not all(isinstance(w, str) for w in refused.values()):
+        raise ValueError("malformed adapter reasons")
+    why = {n: " ".join(w.split())[:MAX_ADAPTER_REASON] for n, w in refused.items()}
+    return AdapterReport(tuple(served), tuple(sorted(why.items())))
 
 
 # --- the termination message: writer and parser ----------------------------------------------

@@ -19,6 +19,8 @@ from typing import Any, Final
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from ember_runtime.contract.thermal import DEFAULT_MAX_BATCH_SIZE
+
 GROUP: Final = "ember.dev"
 VERSION: Final = "v1alpha1"
 KIND: Final = "InferenceDeployment"
@@ -84,9 +86,38 @@ class ModelView(_View):
     files: list[FileView] = Field(default_factory=list)
 
 
+class AdapterView(_View):
+    """`spec.adapters[]`: the gateway routes its name, the node agent fetches its url."""
+
+    name: str = Field(min_length=1)
+    path: str
+    url: str | None = None
+    sha256: str
+    size_bytes: int
+    scale: float = 1.0
+
+
+class ScalingView(_View):
+    """`spec.scaling`, read by the gateway that drives it (the CRD's defaults)."""
+
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    idle_seconds: int = Field(default=300, ge=5)
+    target_in_flight: int | None = Field(default=None, ge=1)
+    priority: int = 0
+
+
+class EngineView(_View):
+    max_batch_size: int = Field(default=DEFAULT_MAX_BATCH_SIZE, ge=1)
+
+
 class SpecView(_View):
     model: ModelView
     server: ServerView = Field(default_factory=ServerView)
+    replicas: int = Field(default=1, ge=0)
+    engine: EngineView = Field(default_factory=EngineView)
+    adapters: list[AdapterView] = Field(default_factory=list)
+    scaling: ScalingView | None = None
 
 
 def read_model(model: Any) -> ModelView:

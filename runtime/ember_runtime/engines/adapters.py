@@ -1,12 +1,15 @@
-"""LoRA adapters on the llama.cpp engine's shared base (the runtime slice of issue 47).
+"""LoRA adapters on the llama.cpp engine's shared base (issue 47).
 
-Each adapter of `engine.adapters` is checked and loaded once, at start, on the decode thread:
-its file must match the configured sha256 (the config names the bytes it vouches for, as for
-the model's own files) and llama.cpp must accept it as a LoRA of this very base. One that
-fails either check is refused, not fatal: the base and the other adapters keep serving, the
-log says why, and so do `/admin/state` (`refusedAdapters`) and a request that names it. The
-architecture is compared here first only to give that reason in words; llama.cpp's own check
-(`llama_adapter_lora_init`: architecture, tensor names and shapes) is what decides.
+Each adapter of `engine.adapters` is checked and loaded on the decode thread: at start, and
+again whenever the mounted config's list changes (hot plug: `server.reload`, the engine's
+`update_adapters`). Its file must match the configured sha256 (the config names the bytes it
+vouches for, as for the model's own files) and llama.cpp must accept it as a LoRA of this very
+base. One that fails either check is refused, not fatal: the base and the other adapters keep
+serving, the log says why, and so do `/admin/state` (`refusedAdapters`) and a request that
+names it. The architecture is compared here first only to give that reason in words;
+llama.cpp's own check (`llama_adapter_lora_init`: architecture, tensor names and shapes) is
+what decides. A refused adapter is tried again when its file changes (`file_mark`): a file not
+there yet (the node agent still fetching it) is served once it arrives.
 """
 
 from __future__ import annotations
@@ -33,11 +36,36 @@ class AdapterSpec:
     sha256: str
     scale: float = 1.0
 
+    @property
+    def key(self) -> str:
+        """This version of the adapter: what the KV cells computed under it are tagged with
+        (`Sequence.adapter`), so a name re-pointed at other bytes shares no cells."""
+        return f"{self.name}\0{self.sha256}\0{self.scale!r}"
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, eq=False)
 class LoadedAdapter:
-    handle: Any  # llama_adapter_lora *, freed with the model
-    scale: float
+    """A served adapter (identity-compared: two loads of one file are two handles)."""
+
+    spec: AdapterSpec
+    handle: Any  # llama_adapter_lora *: freed when retired and unused, else with the model
+
+    @property
+    def scale(self) -> float:
+        return self.spec.scale
+
+    @property
+    def key(self) -> str:
+        return self.spec.key
+
+
+def file_mark(path: Path) -> tuple[int, int, int] | None:
+    """What tells a refused adapter's file changed (inode, size, mtime); None when missing."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def sha256_of(path: Path) -> str:
@@ -65,22 +93,39 @@ def refusal(spec: AdapterSpec, base_arch: str) -> str | None:
     return None
 
 
+LLAMA_REFUSED = "llama.cpp refused it as a LoRA of this model (tensor names or shapes)"
+
+
+def load_one(native: LlamaContext, spec: AdapterSpec) -> LoadedAdapter | str:
+    """The loaded adapter, or why it is refused (logged). Decode thread (llama.cpp's part)."""
+    reason = refusal(spec, native.architecture())
+    return load_checked(native, spec, reason)
+
+
+def load_checked(
+    native: LlamaContext, spec: AdapterSpec, reason: str | None
+) -> LoadedAdapter | str:
+    """`load_one` after `refusal` ran elsewhere (off the decode thread: hashing takes time)."""
+    handle = native.load_adapter(spec.path) if reason is None else None
+    if reason is None and handle is None:
+        reason = LLAMA_REFUSED
+    if reason is not None:
+        log.error("LoRA adapter %s is not served: %s", spec.name, reason)
+        return reason
+    log.info("LoRA adapter %s loaded from %s (scale %g)", spec.name, spec.path, spec.scale)
+    return LoadedAdapter(spec, handle)
+
+
 def load_all(
     native: LlamaContext, specs: Sequence[AdapterSpec]
 ) -> tuple[dict[str, LoadedAdapter], dict[str, str]]:
     """(served adapters by name, refused ones' reasons by name), each refusal logged."""
     served: dict[str, LoadedAdapter] = {}
     refused: dict[str, str] = {}
-    base_arch = native.architecture()
     for spec in specs:
-        reason = refusal(spec, base_arch)
-        handle = native.load_adapter(spec.path) if reason is None else None
-        if reason is None and handle is None:
-            reason = "llama.cpp refused it as a LoRA of this model (tensor names or shapes)"
-        if reason is not None:
-            log.error("LoRA adapter %s is not served: %s", spec.name, reason)
-            refused[spec.name] = reason
-            continue
-        served[spec.name] = LoadedAdapter(handle, spec.scale)
-        log.info("LoRA adapter %s loaded from %s (scale %g)", spec.name, spec.path, spec.scale)
+        got = load_one(native, spec)
+        if isinstance(got, str):
+            refused[spec.name] = got
+        else:
+            served[spec.name] = got
     return served, refused

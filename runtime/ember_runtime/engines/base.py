@@ -195,6 +195,8 @@ class EngineInfo:
     # their own, and each refused one's reason (a wrong digest, another base model).
     adapters: tuple[str, ...] = ()
     refused_adapters: dict[str, str] = field(default_factory=dict)
+    # Names removed from engine.adapters while serving (a request naming one gets 404).
+    removed_adapters: frozenset[str] = frozenset()
 
 
 class Engine(Protocol):

@@ -310,6 +310,13 @@ class LlamaContext:
         handle = self.ll.llama_adapter_lora_init(self.model, str(path).encode())
         return handle or None
 
+    def free_adapter(self, handle: Any) -> None:
+        """Free an adapter before the model (`llama_adapter_lora_free`: it leaves the model's
+        set and is deleted). The context keeps raw pointers to the adapters set on it, so the
+        caller first makes sure it is not applied (`use_adapter(None, ...)`) and that no
+        sequence will decode with it again."""
+        self.ll.llama_adapter_lora_free(handle)
+
     def use_adapter(self, handle: Any | None, scale: float) -> None:
         """Apply `handle` at `scale` to every following decode (None: the base model alone).
 

@@ -15,8 +15,9 @@ and sampling apart:
   `engines/sampling.py` with `engines/grammar_mask.py` as the grammar's mask), turned into
   text here; one step's deltas go to the event loop in one `call_soon_threadsafe`;
 * the slots: which seq_id a request runs on and the prefix cache (`engines/slots.py`);
-* LoRA adapters (`engines/adapters.py`): loaded at start on the shared base; a request naming
-  one is decoded with it applied. llama.cpp applies adapters per context, so each step's calls
+* LoRA adapters (`engines/adapters.py`): loaded at start on the shared base, and added or
+  removed while serving (`update_adapters`, from the reloaded config); a request naming one is
+  decoded with it applied. llama.cpp applies adapters per context, so each step's calls
   are cut per adapter set (`scheduler.split_by_adapter`) and the prefix cache never shares
   cells across adapters (`engines/slots.py`).
 
@@ -54,7 +55,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ import numpy as np
 
 from ember_runtime.contract.config import DEFAULT_STEP_TOKENS, unified_kv
 from ember_runtime.engines import adapters, device_sampling, sampling
-from ember_runtime.engines.adapters import AdapterSpec, LoadedAdapter
+from ember_runtime.engines.adapters import AdapterSpec, LoadedAdapter, file_mark
 from ember_runtime.engines.base import (
     ChatMessage,
     Delta,
@@ -185,8 +186,18 @@ class LlamaCppEngine(NativeLoop):
         self._drawer = Drawer(self._native, sampler_pool(threads, sampler_threads))
         self._device_mode = device_sampling
         self._adapter_specs = tuple(adapter_specs)
-        self._adapters: dict[str, LoadedAdapter] = {}  # served ones, by name (set at load)
-        self._applied: str | None = None  # the adapter the context decodes with now
+        # Served ones, by name: replaced whole (never mutated), read by submit on the event loop.
+        self._adapters: dict[str, LoadedAdapter] = {}
+        # Refused ones: the spec and its file's mark when refused (tried again on a change).
+        self._refused: dict[str, tuple[AdapterSpec, tuple[int, int, int] | None]] = {}
+        # Removed or re-pointed while serving: freed on the decode thread once no sequence,
+        # running or pending, uses them (under _cond).
+        self._retiring: list[LoadedAdapter] = []
+        # Work for the decode thread between steps (adapter loads), with its caller's future.
+        self._ops: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
+        self._ops = collections.deque()
+        self._applied: LoadedAdapter | None = None  # the adapter the context decodes with now
+        self._arch = ""  # the base's general.architecture (at load)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -246,7 +257,11 @@ class LlamaCppEngine(NativeLoop):
             offloaded=self._gpu_layers > 0 and native.offloads(),
             deterministic=self._deterministic,
         )
+        self._arch = native.architecture()
         self._adapters, refused = adapters.load_all(native, self._adapter_specs)
+        self._refused = {
+            s.name: (s, file_mark(s.path)) for s in self._adapter_specs if s.name in refused
+        }
         self.info.adapters = tuple(self._adapters)
         self.info.refused_adapters = refused
         native.warm_up()
@@ -338,8 +353,11 @@ class LlamaCppEngine(NativeLoop):
     def submit(self, prompt: list[int], params: SamplingParams) -> Stream:
         if not prompt:
             raise ValueError("the prompt is empty")
-        if params.adapter is not None and params.adapter not in self._adapters:
-            raise InvalidRequestError(f"adapter {params.adapter} is not served", param="model")
+        lora = None
+        if params.adapter is not None:
+            lora = self._adapters.get(params.adapter)
+            if lora is None:
+                raise InvalidRequestError(f"adapter {params.adapter} is not served", param="model")
         stream = Stream(self._wake, len(prompt))
         with self._cond:
             if self._stopping:
@@ -352,10 +370,89 @@ class LlamaCppEngine(NativeLoop):
         # Built here, on the event loop, so a grammar that llama.cpp cannot parse is the
         # client's 400 rather than an error delta later (it only reads the vocabulary).
         sampler, grammar = self._make_sampler(prompt, params)
+        seq = Sequence(stream, prompt, params, sampler, grammar)
+        seq.lora = lora  # this version, even if the adapter is removed while it runs
         with self._cond:
-            self._pending.append(Sequence(stream, prompt, params, sampler, grammar))
+            self._pending.append(seq)
             self._cond.notify()
         return stream
+
+    # --- LoRA adapters while serving (event loop side) ---------------------------------------
+
+    async def update_adapters(self, specs: Iterable[AdapterSpec]) -> bool:
+        """Serve what `specs` lists, without touching the base or running requests: a new
+        (or re-pointed) adapter is checked (sha256, header: on a worker thread) and loaded by
+        llama.cpp on the decode thread between two steps, so running streams wait for that
+        load only; a removed one is no longer served (new requests naming it get 404: the
+        server's `removed_adapters`) while requests already running on it finish with it, and
+        its handle is freed once no running or queued request uses it. A refused one is tried
+        again on a later call once its file changed (e.g. it arrived). Returns whether
+        anything changed. One caller at a time (the server's reload loop)."""
+        wanted = {s.name: s for s in specs}
+        served = self._adapters
+        drop = [n for n, a in served.items() if wanted.get(n) != a.spec]
+        gone = [n for n in self._refused if n not in wanted]
+        load = []
+        for name, spec in wanted.items():
+            current = served.get(name)
+            if current is not None and current.spec == spec:
+                continue
+            refused = self._refused.get(name)
+            if refused is not None and refused == (spec, file_mark(spec.path)):
+                continue  # refused already, and its file has not changed since
+            load.append(spec)
+        if not (drop or gone or load):
+            return False
+        checked = []
+        for spec in load:  # hashing a file takes a while: never on the decode thread
+            mark = file_mark(spec.path)
+            reason = await asyncio.to_thread(adapters.refusal, spec, self._arch)
+            checked.append((spec, reason, mark))
+
+        def load_checked() -> dict[str, LoadedAdapter | str]:
+            return {s.name: adapters.load_checked(self._native, s, r) for s, r, _ in checked}
+
+        results = await self._on_decode_thread(load_checked) if checked else {}
+        now = {n: a for n, a in served.items() if n not in drop}
+        refused_now = dict(self.info.refused_adapters)
+        for name in gone:
+            refused_now.pop(name, None)
+            self._refused.pop(name, None)
+        for spec, _reason, mark in checked:
+            got = results[spec.name]
+            if isinstance(got, str):
+                refused_now[spec.name] = got
+                self._refused[spec.name] = (spec, mark)
+            else:
+                now[spec.name] = got
+                refused_now.pop(spec.name, None)
+                self._refused.pop(spec.name, None)
+        self._adapters = {n: now[n] for n in wanted if n in now}
+        removed = set(self.info.removed_adapters) | {n for n in (*drop, *gone) if n not in wanted}
+        self.info.removed_adapters = frozenset(removed - set(wanted))
+        self.info.adapters = tuple(self._adapters)
+        self.info.refused_adapters = refused_now
+        retired = [served[n] for n in drop]
+        if retired:
+            with self._cond:
+                self._retiring.extend(retired)
+                self._cond.notify()
+        log.info(
+            "LoRA adapters now served: %s (refused: %s)",
+            ", ".join(self._adapters) or "none",
+            ", ".join(refused_now) or "none",
+        )
+        return True
+
+    async def _on_decode_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the decode thread between two steps; its result."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise EngineStoppingError("the engine is shutting down")
+            self._ops.append((fn, done))
+            self._cond.notify()
+        return await asyncio.wrap_future(done)
 
     def set_max_batch_size(self, n: int) -> None:
         if not 1 <= n <= self._capacity:
@@ -396,12 +493,60 @@ class LlamaCppEngine(NativeLoop):
     def _run(self) -> None:
         try:
             while self._schedule():
-                self._step()
+                self._run_ops()
+                if self._slots.running:
+                    self._step()
+                self._free_retired()
         except Exception:  # a bug here must not leave clients hanging forever
             log.exception("decode loop crashed")
             self._fail_all("the decode loop crashed")
         finally:
             self._fail_all("the engine stopped")
+            self._cancel_ops()
+
+    def _run_ops(self) -> None:
+        """The work handed to the decode thread (adapter loads), between two steps."""
+        while True:
+            with self._cond:
+                if not self._ops:
+                    return
+                fn, done = self._ops.popleft()
+            try:
+                done.set_result(fn())
+            except Exception as exc:  # the caller's to handle; the loop goes on
+                done.set_exception(exc)
+
+    def _cancel_ops(self) -> None:
+        with self._cond:
+            ops, self._ops = list(self._ops), collections.deque()
+        for _fn, done in ops:
+            done.set_exception(EngineStoppingError("the engine stopped"))
+
+    def _free_retired(self) -> None:
+        """Free each removed adapter no running or queued request uses any more (llama.cpp's
+        `llama_adapter_lora_free`; unset from the context first, which keeps raw pointers)."""
+        with self._cond:
+            if not self._retiring:
+                return
+            used = {id(s.lora) for s in self._pending if s.lora is not None}
+            retiring = list(self._retiring)
+        used |= {id(s.lora) for s in self._slots.running if s.lora is not None}
+        freed = [a for a in retiring if id(a) not in used]
+        for lora in freed:
+            if self._applied is lora:
+                self._native.use_adapter(None, 0.0)
+                self._applied = None
+            self._native.free_adapter(lora.handle)
+            log.info("LoRA adapter %s (%s) freed", lora.spec.name, lora.spec.sha256[:12])
+        if freed:
+            with self._cond:
+                self._retiring = [a for a in self._retiring if a not in freed]
+
+    @property
+    def retiring_adapters(self) -> int:
+        """Removed adapters still held for the requests that use them."""
+        with self._cond:
+            return len(self._retiring)
 
     def _schedule(self) -> bool:
         """Wait for work, drop cancelled requests, admit new ones; False when stopping."""
@@ -417,6 +562,8 @@ class LlamaCppEngine(NativeLoop):
                 self._admit_some(joining)
                 if slots.running:
                     slots.compact(self._steps)
+                    return True
+                if self._ops or self._retiring:  # idle: nothing uses a retired adapter now
                     return True
                 self._cond.wait()
 
@@ -472,16 +619,16 @@ class LlamaCppEngine(NativeLoop):
             self._observer(StepStats(time.perf_counter() - began, len(active), prompt_tokens))
 
     def _apply_adapter(self, call: Call[Sequence]) -> None:
-        """Set the call's adapter on the context when it is not the one applied already."""
-        name = _adapter_of(call.decodes[0] if call.decodes else call.chunks[0].seq)
-        if name == self._applied:
+        """Set the call's adapter on the context when it is not the one applied already (the
+        version each request was submitted for: `Sequence.lora`)."""
+        loaded = (call.decodes[0] if call.decodes else call.chunks[0].seq).lora
+        if loaded is self._applied:
             return
-        loaded = self._adapters.get(name) if name is not None else None
         if loaded is None:  # the base alone
             self._native.use_adapter(None, 0.0)
         else:
             self._native.use_adapter(loaded.handle, loaded.scale)
-        self._applied = name
+        self._applied = loaded
 
     def _sample(self, outputs: list[tuple[Sequence, int]]) -> None:
         emits: list[tuple[Stream, Delta]] = []

@@ -15,7 +15,7 @@ stream buffer.
 
 LoRA adapters: KV cells computed under one adapter hold other numbers than the base's or
 another adapter's, so a prefix is reused or shared only between requests of the same adapter
-(`Sequence.adapter`; None is the base).
+(`Sequence.adapter`, the adapter version's key; None is the base).
 
 KV layout. In one pool (`kv_unified`, fast mode) any step is one micro-batch whatever its
 seq_ids. With one stream per sequence (deterministic mode), llama.cpp cuts a batch into
@@ -27,6 +27,7 @@ micro-batches of consecutive seq_ids taking the same number of tokens from each
 from __future__ import annotations
 
 from ember_runtime.engines import device_sampling
+from ember_runtime.engines.adapters import LoadedAdapter
 from ember_runtime.engines.base import SamplingParams
 from ember_runtime.engines.device_sampling import DeviceChain
 from ember_runtime.engines.grammar_mask import Grammar
@@ -44,6 +45,7 @@ class Sequence:
         "generated",
         "grammar",
         "last_token",
+        "lora",
         "params",
         "prefilled",
         "prompt",
@@ -72,6 +74,9 @@ class Sequence:
         self.sampler = sampler
         self.grammar = grammar  # freed with the sequence
         self.chain: DeviceChain | None = None  # sampled inside llama_decode (set at admission)
+        # The adapter version it was submitted for (engine-bound; kept while it runs even if
+        # the adapter is removed or re-pointed meanwhile).
+        self.lora: LoadedAdapter | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -79,8 +84,9 @@ class Sequence:
 
     @property
     def adapter(self) -> str | None:
-        """The LoRA adapter this sequence's KV cells are computed with (None: the base)."""
-        return self.params.adapter
+        """The LoRA adapter this sequence's KV cells are computed with (None: the base): the
+        bound version's key when bound (a name re-pointed at other bytes is another adapter)."""
+        return self.lora.key if self.lora is not None else self.params.adapter
 
     def drop_sampler(self) -> None:
         """Free the grammar; the device chain stays with the seq_id for the next request."""

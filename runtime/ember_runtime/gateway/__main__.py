@@ -10,10 +10,11 @@ from collections.abc import Sequence
 import uvicorn
 
 from ember_runtime.cli import configure_logging, read_settings
-from ember_runtime.gateway.app import Runner, create_app
+from ember_runtime.gateway.app import Runner, Scaling, create_app
 from ember_runtime.gateway.discovery import KubeDiscovery, static
 from ember_runtime.gateway.fleet import Fleet
 from ember_runtime.gateway.policy import Policy
+from ember_runtime.gateway.scaler import scale_writer
 from ember_runtime.gateway.settings import GatewaySettings
 from ember_runtime.kube import Endpoint, KubeClient
 
@@ -31,6 +32,22 @@ def discovery(settings: GatewaySettings) -> Runner:
     ).run
 
 
+def scaling(settings: GatewaySettings) -> Scaling:
+    """Held requests always; the scaler only with the API server (a static file has no
+    InferenceDeployment to scale). Its own client: short timeouts, no watches."""
+    writer = None
+    if settings.static is None:
+        writer = scale_writer(KubeClient(Endpoint.in_cluster(), 5.0, watches=False))
+    return Scaling(
+        settings.hold_max_requests,
+        settings.hold_timeout,
+        writer,
+        settings.scale_interval,
+        settings.swap_interval,
+        settings.swap_order,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     settings = read_settings(GatewaySettings, argv, "gateway")
     if settings is None:
@@ -39,7 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the API reads: a line per request
     policy = Policy(prefix_chars=settings.prefix_chars, load_factor=settings.load_factor)
     fleet = Fleet(policy, interval=settings.probe_interval, timeout=settings.probe_timeout)
-    app = create_app(fleet, discovery(settings), read_timeout=settings.upstream_timeout)
+    app = create_app(
+        fleet,
+        discovery(settings),
+        read_timeout=settings.upstream_timeout,
+        scaling=scaling(settings),
+    )
     uvicorn.run(
         app,
         host=settings.host,

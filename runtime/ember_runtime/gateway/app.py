@@ -4,15 +4,21 @@
 site may learn them); `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings` go to a
 replica of the model named in the body; anything else is a 404 in OpenAI's error shape (the
 replicas' `/admin/*` and `/metrics` are never reachable through the gateway).
+
+A model with `spec.scaling` and no healthy replica has its requests held (`hold`) while the
+scaler (`scaler`, when the gateway has the API server) asks for a replica; `/v1/models` lists
+it all the same, and each of its adapters.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -25,6 +31,7 @@ from starlette.routing import Route
 
 from ember_runtime.asgi import BodyLimit
 from ember_runtime.gateway.fleet import Fleet
+from ember_runtime.gateway.hold import Holds
 from ember_runtime.gateway.metrics import GatewayMetrics
 from ember_runtime.gateway.proxy import (
     Call,
@@ -33,8 +40,10 @@ from ember_runtime.gateway.proxy import (
     error,
     forward,
     prefix_text,
+    unreachable,
     until_disconnect,
 )
+from ember_runtime.gateway.scaler import Scaler, SwapOrder, Writer
 
 log = logging.getLogger(__name__)
 PROXIED = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
@@ -69,12 +78,33 @@ def parse(body: bytes) -> dict[str, Any] | Response:
     return doc
 
 
+@dataclass(frozen=True)
+class Scaling:
+    """The hold queue's bounds, and the scaler's writer (None: routes are not scaled, e.g. a
+    static file) and periods (`settings.GatewaySettings` says what each is)."""
+
+    hold_max_requests: int = 64
+    hold_timeout: float = 120.0
+    writer: Writer | None = None
+    interval: float = 1.0
+    swap_interval: float = 30.0
+    swap_order: SwapOrder = "priority-lru"
+
+
 class Gateway:
-    def __init__(self, fleet: Fleet, discover: Runner, connect: float, read: float) -> None:
+    def __init__(
+        self, fleet: Fleet, discover: Runner, connect: float, read: float, scaling: Scaling
+    ) -> None:
         self.fleet, self.discover = fleet, discover
         self.connect, self.read = connect, read
         self.metrics = GatewayMetrics()
         self.up: Upstream | None = None
+        self.holds = Holds(fleet, self.metrics, scaling.hold_max_requests, scaling.hold_timeout)
+        self.scaler = Scaler(
+            fleet, self.holds, self.metrics, scaling.writer,
+            interval=scaling.interval, swap_interval=scaling.swap_interval,
+            order=scaling.swap_order,
+        )  # fmt: skip
 
     async def proxy(self, request: Request) -> Response:
         started = time.perf_counter()
@@ -89,13 +119,38 @@ class Gateway:
             return error(404, message, param="model", code="model_not_found")
         if not authorized(request, route):
             return error(401, "missing or invalid API key for this model", code="invalid_api_key")
-        assert self.up is not None, "requests arrive only inside the lifespan"
+        self.scaler.used(route)
         call = Call(route, request.url.path, body, request, prefix_text(doc))
         self.metrics.added.observe(time.perf_counter() - started)
-        response = await until_disconnect(forward(self.up, call), request.receive)
+        response = await until_disconnect(self._serve(call), request.receive)
         code = "499" if response is None else str(response.status_code)  # 499: client gone
         self.metrics.requests.labels(model, code).inc()
         return response if response is not None else Response(status_code=499)
+
+    async def _serve(self, call: Call) -> Response:
+        """Held first if its model is scaled and has no healthy replica; then forwarded. A
+        scaled model's request that finds no replica reachable (its only one went between a
+        probe and this request: a restart, a scale-down) is held again, within one hold
+        timeout in all, instead of failing."""
+        assert self.up is not None, "requests arrive only inside the lifespan"
+        model = call.route.name
+        deadline = time.monotonic() + self.holds.timeout
+        while True:
+            if call.route.scaling is not None and not self.fleet.healthy(model):
+                refused = await self.holds.hold(model, deadline - time.monotonic())
+                if refused is not None:
+                    return refused
+                route = self.fleet.routes.get(model)  # as it is now: its replicas came
+                if route is None:
+                    return error(404, f"The model `{model}` is gone", code="model_not_found")
+                call = dataclasses.replace(call, route=route)
+            response = await forward(self.up, call)
+            if call.route.scaling is None or not unreachable(response):
+                return response
+            if time.monotonic() >= deadline:
+                return response
+            if self.fleet.healthy(model):  # timed out, not refused: its probe decides
+                await asyncio.sleep(self.fleet.interval)
 
     async def models(self, request: Request) -> Response:
         data = [
@@ -123,6 +178,8 @@ class Gateway:
                 asyncio.create_task(self.fleet.probe_forever(client)),
                 asyncio.create_task(self.discover(self.fleet, self.metrics)),
             ]
+            if self.scaler.writer is not None:
+                tasks.append(asyncio.create_task(self.scaler.run()))
             try:
                 yield
             finally:
@@ -158,8 +215,9 @@ def create_app(
     connect_timeout: float = 1.0,
     read_timeout: float = 600.0,
     max_body_bytes: int = 16 * 1024 * 1024,
+    scaling: Scaling | None = None,
 ) -> Starlette:
-    gateway = Gateway(fleet, discover, connect_timeout, read_timeout)
+    gateway = Gateway(fleet, discover, connect_timeout, read_timeout, scaling or Scaling())
     routes = [Route(p, gateway.proxy, methods=["POST"]) for p in PROXIED] + [
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),

@@ -7,6 +7,11 @@ responses: an idle or a cooling replica sends no responses, and its recovery mus
 seen). A replica that refuses the connection is out
 at once; one that fails two probes in a row is out (within 2 × (interval + timeout)); one that
 answers is back. The gateway counts its own requests in flight per replica between probes.
+
+A replica is one pod: a base model and its adapters are routes to the same replicas (keyed by
+owner and backend), so the pod is probed once and its in-flight count covers every name it
+serves. Requests held for a model with no healthy replica wait on `until_healthy`, which every
+replica coming in wakes.
 """
 
 from __future__ import annotations
@@ -66,8 +71,9 @@ class Fleet:
     def __init__(self, policy: Policy, interval: float = 0.4, timeout: float = 0.5) -> None:
         self.policy, self.interval, self.timeout = policy, interval, timeout
         self.routes: dict[str, ModelRoute] = {}
-        self._replicas: dict[tuple[str, str], Replica] = {}  # (model, backend key)
+        self._replicas: dict[tuple[str, str], Replica] = {}  # (owner, backend key)
         self._changed = asyncio.Event()
+        self._came_in = asyncio.Event()  # replaced after each wake-up: a broadcast
         self.synced = False  # routes given at least once (a discovery list, a snapshot)
 
     def update(self, routes: Mapping[str, ModelRoute]) -> None:
@@ -75,17 +81,36 @@ class Fleet:
         fresh: dict[tuple[str, str], Replica] = {}
         for route in routes.values():
             for backend in route.backends:
-                old = self._replicas.get((route.name, backend.key))
+                at = (route.owner, backend.key)
+                old = fresh.get(at) or self._replicas.get(at)
                 same = old is not None and old.backend == backend and old.api_key == route.api_key
-                fresh[(route.name, backend.key)] = (
-                    old if same and old else Replica(backend, route.api_key)
-                )
+                fresh[at] = old if same and old else Replica(backend, route.api_key)
         self.routes, self._replicas = dict(routes), fresh
         self.synced = True
         self._changed.set()
+        self._wake()  # a static or restored route may come with healthy replicas
 
     def replicas(self, model: str) -> list[Replica]:
-        return [r for (m, _), r in self._replicas.items() if m == model]
+        route = self.routes.get(model)
+        if route is None:
+            return []
+        return [r for b in route.backends if (r := self._replicas.get((route.owner, b.key)))]
+
+    def of_owner(self, owner: str) -> list[Replica]:
+        """An InferenceDeployment's replicas, whichever of its names they serve."""
+        return [r for (o, _), r in self._replicas.items() if o == owner]
+
+    def healthy(self, model: str) -> bool:
+        return any(r.healthy and not r.draining for r in self.replicas(model))
+
+    async def until_healthy(self, model: str) -> None:
+        """Returns once `model` has a healthy replica (at once if it has one now)."""
+        while not self.healthy(model):
+            await self._came_in.wait()
+
+    def _wake(self) -> None:
+        self._came_in.set()
+        self._came_in = asyncio.Event()
 
     def order(self, model: str, prompt: str) -> list[Replica]:
         reps = {r.backend.key: r for r in self.replicas(model)}
@@ -123,9 +148,11 @@ class Fleet:
                 log.warning("replica %s is out: %r", replica.backend.key, exc)
                 replica.healthy = False
             return
-        if not replica.healthy:
-            log.info("replica %s is in", replica.backend.key)
+        came_in = not replica.healthy
         replica.healthy, replica.failures, replica.probed_at = True, 0, time.monotonic()
+        if came_in:
+            log.info("replica %s is in", replica.backend.key)
+            self._wake()
 
     async def probe_forever(self, client: aiohttp.ClientSession) -> None:
         while True:

@@ -49,3 +49,22 @@ class GatewayMetrics:
             "InferenceDeployments refused because an older one serves the same model name.",
             registry=self.registry,
         )
+        self.held = Gauge(
+            "ember_gateway_held_requests",
+            "Requests waiting for a replica of a scaled model (scale to zero).",
+            ["model"],
+            registry=self.registry,
+        )
+        self.scale_writes = Counter(
+            "ember_gateway_scale_writes",
+            "spec.replicas written through the scale subresource, by InferenceDeployment"
+            " (namespace/name: a base model and its adapters scale together) and direction.",
+            ["deployment", "direction"],
+            registry=self.registry,
+        )
+        self.swaps = Counter(
+            "ember_gateway_swaps",
+            "Replicas scaled down to make room for a model whose pod does not fit, by victim.",
+            ["deployment"],
+            registry=self.registry,
+        )

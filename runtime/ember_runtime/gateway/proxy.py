@@ -173,7 +173,16 @@ async def forward(up: Upstream, call: Call) -> Response:
         return Relay(model, outcome, functools.partial(_finished, up, model, replica))
     if last is not None:  # every replica refused: the client sees the last refusal as it was
         return Response(last.body, status_code=last.status, headers=last.headers)
-    return error(503, f"no replica of {model} is reachable", code="no_replica")
+    body = error_body(503, f"no replica of {model} is reachable", code="no_replica")
+    return Unreachable(body, status_code=503)
+
+
+class Unreachable(JSONResponse):
+    """`forward`'s answer when no replica could be reached (none refused: none answered)."""
+
+
+def unreachable(response: Response) -> bool:
+    return isinstance(response, Unreachable)
 
 
 def _finished(up: Upstream, model: str, replica: Replica, kind: str) -> None:

@@ -5,7 +5,7 @@ runtime server, the node agent and the device plugin read theirs."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -41,6 +41,25 @@ class GatewaySettings(BaseSettings):
     )
     prefix_chars: int = Field(default=256, ge=1, description="prompt characters hashed")
     load_factor: float = Field(default=1.25, ge=1.0, description="bounded-load factor c")
+    hold_max_requests: int = Field(
+        default=64, ge=0, description="requests held per scaled model while it has no replica"
+    )
+    hold_timeout: float = Field(
+        default=120.0, gt=0, description="the longest a request is held, seconds"
+    )
+    scale_interval: float = Field(
+        default=1.0, gt=0, description="seconds between the scaler's passes"
+    )
+    swap_interval: float = Field(
+        default=30.0,
+        gt=0,
+        description="longest wait for a swapped-out model's pod to go before another",
+    )
+    swap_order: Literal["priority-lru", "ollama"] = Field(
+        default="priority-lru",
+        description="who is scaled down for room: lowest priority, then least recently used; "
+        "or ollama: Ollama's rule (keep-alive, then name), the benchmark's baseline",
+    )
     log_level: str = "info"
 
     @model_validator(mode="after")

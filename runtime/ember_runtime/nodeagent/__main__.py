@@ -25,6 +25,7 @@ from ember_runtime.contract.resource import SITE_LABEL
 from ember_runtime.contract.thermal import DEFAULTS, ThermalPolicy, ThermalReading, whole_degrees
 from ember_runtime.kube import ConditionPatcher, Endpoint, KubeClient, node_status_path
 from ember_runtime.nodeagent import windows
+from ember_runtime.nodeagent.adapterviews import AdapterViews
 from ember_runtime.nodeagent.cache import ContentCache
 from ember_runtime.nodeagent.evict import Evictor, pods_on_node, staged_on_node, together
 from ember_runtime.nodeagent.fetcher import Fetcher, SpecResolver
@@ -229,7 +230,9 @@ async def run(settings: AgentSettings) -> None:
         tasks.append(asyncio.create_task(fetcher.run()))
         # What a replica mounts: a view per digest its pod names, never the whole cache.
         views = DigestViews(cache, lambda: fetcher.wanted().keys())
-        tasks.append(asyncio.create_task(views.run()))
+        # An http source's LoRA adapters: one view per object, its own adapters only.
+        adapter_views = AdapterViews(cache, fetcher.adapter_views)
+        tasks += [asyncio.create_task(views.run()), asyncio.create_task(adapter_views.run())]
         # A waiting replica's progress on its pod, live (prewarm has no way to the API).
         reports = DownloadReports(cache, reader, settings.node_name, fetcher.fetch_of)
         tasks.append(asyncio.create_task(reports.run()))

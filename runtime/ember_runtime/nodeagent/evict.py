@@ -1,7 +1,8 @@
 """Keep the node cache within its budget: least-recently-used eviction, never of a model in use.
 
-In use means: a pod bound to this node names the digest (through the InferenceDeployment its
-pod watch read for it: `Fetcher.fetch_of`), whatever its phase, as the API server lists them at
+In use means: a pod bound to this node names the digest, a model file or one of its LoRA
+adapters (through the InferenceDeployment its pod watch read for it: `Fetcher.fetch_of`),
+whatever its phase, as the API server lists them at
 the start of the pass; a listed pod the watch has not read yet makes the pass evict nothing. That is
 every pod that may still mount the digest's view (render.digest_views) or copy from it, and
 the only pods whose mounts the agent could know of: another container's open files and mounts
@@ -56,7 +57,7 @@ def pods_on_node(reader: KubeClient, node: str, fetch_of: PodFetch) -> InUse:
     async def in_use() -> set[str]:
         listed = await reader.get("/api/v1/pods", {"fieldSelector": f"spec.nodeName={node}"})
         fetches = [f for pod in listed["items"] if (f := fetch_of(pod)) is not None]
-        return {file.sha256 for fetch in fetches for file in fetch.files}
+        return {file.sha256 for fetch in fetches for file in fetch.all_files()}
 
     return in_use
 

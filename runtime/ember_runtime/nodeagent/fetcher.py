@@ -20,6 +20,12 @@ Each wanted digest is kept in the node cache (`cache.ContentCache`), one downloa
 With site sharing on (`site.SiteSharing`), a file comes from a site peer, or from the origin
 under the site's Lease; origin transfers are paced by the agent's token bucket (`ratelimit`).
 
+LoRA adapters (`spec.adapters[].url`, http sources only) are fetched the same way, into the
+same cache, once per site. Adding one changes no pod (`ModelFetch.digest` leaves them out), so
+the object each pod here names is read again every `claim_reread_seconds` (a GET per object,
+no watch: the agent's RBAC stays get-only); `adapter_views` says which verified blobs each
+object's adapters view links (nodeagent/adapterviews.py).
+
 Several pods may name the same digest with different URLs (two tenants, one public model).
 Failures are kept per (digest, URL): a URL that failed does not stop another URL for the same
 digest, and `failed/<digest>` (what prewarm reports) is written only while every URL wanted for
@@ -44,7 +50,7 @@ import httpx
 
 from ember_runtime.contract import reasons
 from ember_runtime.contract.cache import FETCH_HASH_ANNOTATION, INSTANCE_LABEL
-from ember_runtime.contract.config import FetchFile, ModelFetch, fetch_from_spec
+from ember_runtime.contract.config import FetchFile, ModelFetch, adapter_fetches, fetch_from_spec
 from ember_runtime.contract.resource import object_path
 from ember_runtime.contract.rollout import stable_model
 from ember_runtime.kube import API_ERRORS, ApiError, KubeClient
@@ -62,6 +68,7 @@ log = logging.getLogger("ember_runtime.nodeagent.fetcher")
 MAX_MISMATCH_RETRY_SECONDS = 6 * 3600.0
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain
 STAGE_REREAD_SECONDS = 60.0
+CLAIM_REREAD_SECONDS = 30.0  # a pod's object, for adapters added or removed (no pod change)
 STAGED = "stage"  # a staged object's Claim.version: it is read again by time, not by version
 
 
@@ -132,6 +139,13 @@ class SpecResolver:
         if obj is None:
             return None
         where = f"{claim.namespace}/{claim.name}"
+        fetch = self._model(obj, claim, where)
+        if fetch is None:
+            return None
+        adapters = _adapters((obj.get("spec") or {}).get("adapters"), f"{where} spec.adapters")
+        return fetch.model_copy(update={"adapters": adapters}) if adapters else fetch
+
+    def _model(self, obj: dict[str, Any], claim: Claim, where: str) -> ModelFetch | None:
         current = model_fetch((obj.get("spec") or {}).get("model"), f"{where} spec.model")
         if current is None or current.digest() == claim.version:
             return current
@@ -142,6 +156,15 @@ class SpecResolver:
         if stable is not None and stable.digest() == claim.version:
             return stable
         return current  # a pod of an older operator's rendering: the spec is all there is
+
+
+def _adapters(adapters: Any, where: str) -> list[FetchFile]:
+    """The adapters to fetch; a shape the CRD would refuse is logged and fetches none."""
+    try:
+        return adapter_fetches(adapters)
+    except (ValueError, TypeError) as err:
+        log.warning("%s: unreadable adapters: %s", where, err)
+        return []
 
 
 @dataclass(frozen=True)
@@ -171,6 +194,7 @@ class Fetcher:
         labels: CacheLabels | None = None,
         resolver: Resolver | None = None,
         stage_reread_seconds: float = STAGE_REREAD_SECONDS,
+        claim_reread_seconds: float = CLAIM_REREAD_SECONDS,
     ) -> None:
         self.cache, self.reader, self.node, self.namespace = cache, reader, node, namespace
         self.metrics, self.labels = metrics, labels
@@ -187,6 +211,8 @@ class Fetcher:
         self._stage_pending: set[StageKey] = set()  # to read (again)
         self.stage_reread_seconds = stage_reread_seconds
         self._staged_at = time.monotonic()  # when every standing request was last due
+        self.claim_reread_seconds = claim_reread_seconds
+        self._claims_read_at = time.monotonic()  # when the pods' objects were last read again
         self._running: dict[str, asyncio.Task[None]] = {}  # digest → its download
         # Per (digest, URL): the last failure, when to try that URL again, how many in a row.
         self._failed: dict[tuple[str, str], FetchError] = {}
@@ -214,10 +240,21 @@ class Fetcher:
         from, first seen first."""
         out: dict[str, dict[tuple[str, str], Wanted]] = {}
         for fetch in [*self.pods.values(), *self.staged.values()]:
-            for f in fetch.files:
+            for f in fetch.all_files():
                 w = Wanted(f, fetch.secret_ref)
                 out.setdefault(f.sha256, {}).setdefault(w.key, w)
         return {sha: list(by_key.values()) for sha, by_key in out.items()}
+
+    def adapter_views(self) -> dict[tuple[str, str], set[str]]:
+        """(namespace, name) of every object a pod here names → the digests of its adapters
+        (empty while unread, or with none): what `AdapterViews` links, per object."""
+        out: dict[tuple[str, str], set[str]] = {}
+        for uid, claim in self._claims.items():
+            digests = out.setdefault((claim.namespace, claim.name), set())
+            fetch = self.pods.get(uid)
+            if fetch is not None:
+                digests |= {a.sha256 for a in fetch.adapters}
+        return out
 
     def reconcile(self) -> None:
         """Start a download for every wanted digest that is not held or running, from a URL
@@ -481,12 +518,38 @@ class Fetcher:
             self._staged_at = now
             self._stage_pending |= self._stage_requests
 
+    async def _reread_claims(self) -> None:
+        """Every `claim_reread_seconds`: read each object the pods here name again (once per
+        object), for what changes no pod: its adapters."""
+        now = time.monotonic()
+        if now - self._claims_read_at < self.claim_reread_seconds:
+            return
+        self._claims_read_at = now
+        by_claim: dict[Claim, list[str]] = {}
+        for uid, claim in self._claims.items():
+            if uid not in self._pending:
+                by_claim.setdefault(claim, []).append(uid)
+        for claim, uids in by_claim.items():
+            try:
+                fetch = await self.resolver.resolve(claim)
+            except API_ERRORS as err:
+                log.warning("reading %s/%s again: %s", claim.namespace, claim.name, err)
+                continue
+            for uid in uids:
+                if self._claims.get(uid) != claim or uid in self._pending:
+                    continue  # changed while it was read: its own read stands
+                if fetch is None:
+                    self.pods.pop(uid, None)
+                else:
+                    self.pods[uid] = fetch
+
     async def tick(self) -> None:
         """Read the specs that could not be read before (or are due again), then start what
         is due."""
         for uid in list(self._pending):
             if uid in self._claims:
                 await self._resolve(uid)
+        await self._reread_claims()
         self._stage_due()
         await self._read_staged()
         self.reconcile()

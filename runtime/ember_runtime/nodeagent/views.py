@@ -94,8 +94,8 @@ class DigestViews:
         view = self.view(sha)
         view.mkdir(exist_ok=True)
         view.chmod(0o755)
-        _link(self.cache.path(sha), view / VIEW_DATA)
-        _link(self.cache.partial(sha), view / partial_name(VIEW_DATA))
+        link_blob(self.cache.path(sha), view / VIEW_DATA)
+        link_blob(self.cache.partial(sha), view / partial_name(VIEW_DATA))
         _mirror(self.cache.failures / sha, view / VIEW_FAILED)
         _mirror(self.cache.waiting / sha, view / VIEW_WAITING)
 
@@ -109,7 +109,7 @@ class DigestViews:
             await asyncio.sleep(self.interval_seconds)
 
 
-def _link(source: Path, link: Path) -> None:
+def link_blob(source: Path, link: Path) -> None:
     """`link` names the same file as `source`, or nothing when `source` is missing."""
     try:
         if os.path.samefile(source, link):

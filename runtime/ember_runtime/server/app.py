@@ -23,6 +23,14 @@ from ember_runtime.reporter import CoalescingReporter, ConditionReporter
 from ember_runtime.sensors import TemperatureSource, build_source, telemetry_of
 from ember_runtime.sensors.power import MeteredSource, build_monitor
 from ember_runtime.server import admin, embeddings, errors, health, routes
+from ember_runtime.server.adapters import (
+    AdapterReporter,
+    adapter_reporter,
+    adapter_specs,
+    hot,
+    reload_adapters,
+    report_of,
+)
 from ember_runtime.server.metrics import Metrics
 from ember_runtime.server.middleware import RequestCounter
 from ember_runtime.server.settings import read_api_key
@@ -50,7 +58,6 @@ def build_engine(
         )
     if config.task == "embed":
         return _embedder(config, model_path, observer)
-    from ember_runtime.engines.adapters import AdapterSpec  # noqa: PLC0415
     from ember_runtime.engines.device_sampling import DeviceSampling  # noqa: PLC0415
     from ember_runtime.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
@@ -71,10 +78,7 @@ def build_engine(
         sampler_threads=config.engine.sampler_threads,
         device_sampling=DeviceSampling(config.engine.device_sampling),
         observer=observer,
-        adapter_specs=[
-            AdapterSpec(a.name, config.adapter_file(a), a.sha256, a.scale)
-            for a in config.engine.adapters
-        ],
+        adapter_specs=adapter_specs(config),
     )
 
 
@@ -131,11 +135,32 @@ def pod_reporters(
     healthy: CoalescingReporter[HealthReport] | None,
 ) -> tuple[ConditionReporter | None, CoalescingReporter[HealthReport] | None]:
     """The given reporters, the missing ones on the pod's own patcher (one for both)."""
-    patcher = pod_patcher(config) if thermal is None or healthy is None else None
+    thermal, healthy, _ = _pod_reporters(config, thermal, healthy, None, has_adapters=False)
+    return thermal, healthy
+
+
+def _pod_reporters(
+    config: RuntimeConfig,
+    thermal: ConditionReporter | None,
+    healthy: CoalescingReporter[HealthReport] | None,
+    adapters: AdapterReporter | None,
+    *,
+    has_adapters: bool,
+) -> tuple[
+    ConditionReporter | None, CoalescingReporter[HealthReport] | None, AdapterReporter | None
+]:
+    """`pod_reporters`, and the LoRA adapters' one (only for an engine that serves adapters:
+    `has_adapters`), all on one patcher."""
+    if not has_adapters:
+        adapters = None
+    missing = thermal is None or healthy is None or (has_adapters and adapters is None)
+    patcher = pod_patcher(config) if missing else None
     if patcher is not None:
         thermal = thermal or _thermal_reporter(config, patcher)
         healthy = healthy or health.health_reporter(patcher)
-    return thermal, healthy
+        if has_adapters:
+            adapters = adapters or adapter_reporter(patcher)
+    return thermal, healthy, adapters
 
 
 def _on_reading(
@@ -156,6 +181,36 @@ def _on_reading(
     return on_reading
 
 
+def _reloads(
+    config: RuntimeConfig,
+    path: Path,
+    state: AppState,
+    report: ConditionReporter | None,
+    adapters_report: AdapterReporter | None,
+) -> list[asyncio.Task[None]]:
+    """What running replicas reload from the mounted config: the thermal policy, and the LoRA
+    adapters where the engine can change them live."""
+    assert state.governor is not None
+    tasks = [asyncio.create_task(control.reload_policy(path, state.governor, reporter=report))]
+    updater = hot(state.engine)
+    if updater is not None and config.task == "generate":
+        reload = reload_adapters(path, updater, info=state.engine.info, reporter=adapters_report)
+        tasks.append(asyncio.create_task(reload))
+    return tasks
+
+
+def _adapter_reports(
+    config: RuntimeConfig, state: AppState, adapters_report: AdapterReporter | None
+) -> list[asyncio.Task[None]]:
+    """The adapters' condition: what start-up made of them (when the config lists any), then
+    each change the reload loop offers."""
+    if adapters_report is None:
+        return []
+    if config.engine.adapters:
+        adapters_report.offer(report_of(state.engine.info))
+    return [asyncio.create_task(adapters_report.run())]
+
+
 def create_app(
     config: RuntimeConfig,
     *,
@@ -166,10 +221,13 @@ def create_app(
     reporter: ConditionReporter | None = None,
     health_reporter: CoalescingReporter[HealthReport] | None = None,
     health_window_seconds: int = health.DEFAULT_WINDOW_SECONDS,
+    adapters_reporter: AdapterReporter | None = None,
 ) -> FastAPI:
-    """`config_path`: where to reload the thermal policy from (None: never reload).
+    """`config_path`: where to reload the thermal policy and the LoRA adapters from (None:
+    never reload).
     `reporter`, `health_reporter`: where the thermal and health conditions go (default: the
-    pod's own, see `pod_patcher`); `health_window_seconds`: the health report's window."""
+    pod's own, see `pod_patcher`); `health_window_seconds`: the health report's window;
+    `adapters_reporter`: where the LoRA adapters' condition goes (default: the pod's own)."""
     metrics = Metrics()
     chosen = engine or build_engine(config, model_path, metrics.observe_step)
     state = AppState(
@@ -183,7 +241,13 @@ def create_app(
     energy = build_monitor(config.sensors.sysfs_root, metrics.output_tokens)
     metrics.bind_energy(energy.snapshot)
     source = MeteredSource(sensor or build_source(config.sensors), energy)
-    report, health_report = pod_reporters(config, reporter, health_reporter)
+    report, health_report, adapters_report = _pod_reporters(
+        config,
+        reporter,
+        health_reporter,
+        adapters_reporter,
+        has_adapters=hot(chosen) is not None and config.task == "generate",
+    )
     tracker = health.HealthTracker(health_window_seconds)
     # The engine was built for engine.maxBatchSize; the governor gets the same typed value
     # (the policy applied to it), not the engine's answer about itself.
@@ -214,11 +278,8 @@ def create_app(
             )
         ]
         if config_path is not None:
-            tasks.append(
-                asyncio.create_task(
-                    control.reload_policy(config_path, state.governor, reporter=report)
-                )
-            )
+            tasks += _reloads(config, config_path, state, report, adapters_report)
+        tasks += _adapter_reports(config, state, adapters_report)
         if report is not None:
             tasks.append(asyncio.create_task(report.run()))
         if health_report is not None:

@@ -76,12 +76,14 @@ async def list_models(state: StateDep) -> ModelList:
 
 def _adapter(body: CompletionRequest | ChatCompletionRequest, state: AppState) -> str | None:
     """The served LoRA adapter the request's `model` names; None for the base (its own id, or
-    any other name: clients that send a fixed model id keep working). A refused adapter is a
-    404 that says why."""
+    any other name: clients that send a fixed model id keep working). A refused adapter, or one
+    removed while serving, is a 404 that says why."""
     info = state.engine.info
     if body.model in info.adapters:
         return body.model
     reason = info.refused_adapters.get(body.model or "")
+    if reason is None and body.model in info.removed_adapters:
+        reason = "removed from engine.adapters"
     if reason is not None:
         raise APIError(
             404,
