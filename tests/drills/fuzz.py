@@ -66,6 +66,9 @@ def from_schema(node: dict[str, Any], path: Path = ()) -> st.SearchStrategy[Any]
 def _scalar(node: dict[str, Any]) -> st.SearchStrategy[Any]:
     if node.get("type") == "integer":
         return st.integers(node.get("minimum", -(2**31)), node.get("maximum", 2**31))
+    if node.get("type") == "number":
+        low, high = node.get("minimum", -1e6), node.get("maximum", 1e6)
+        return st.floats(low, high, allow_nan=False, allow_infinity=False)
     if node.get("type") == "boolean":
         return st.booleans()
     low, high = node.get("minLength", 0), min(node.get("maxLength", 24), 24)
@@ -118,7 +121,24 @@ def repair(spec: dict[str, Any]) -> dict[str, Any]:
     rollout = spec.get("rollout")
     if rollout is not None:
         rollout["waves"] = [_repair_wave(w, i) for i, w in enumerate(rollout["waves"])]
+    if "adapters" in spec:
+        spec["adapters"] = [_repair_adapter(a, i) for i, a in enumerate(spec["adapters"])]
+    scaling = spec.get("scaling")
+    if scaling is not None:
+        spec.pop("rollout", None)  # the two cannot be combined
+        low, high = scaling.get("minReplicas", 0), scaling.get("maxReplicas", 1)
+        scaling["minReplicas"], scaling["maxReplicas"] = min(low, high), max(low, high)
     return spec
+
+
+def _repair_adapter(adapter: dict[str, Any], index: int) -> dict[str, Any]:
+    """A unique name other than the model's, a relative path, a digest, and no URL (the fixed
+    model's source is a hostPath: a URL is for http sources only)."""
+    adapter["name"] = f"a{index}-" + re.sub("[^a-z0-9]", "", adapter["name"].lower())[:50]
+    adapter["path"] = f"adapters/a{index}.gguf"
+    adapter["sha256"] = f"{index:x}" * 64
+    adapter.pop("url", None)
+    return adapter
 
 
 def _repair_wave(wave: dict[str, Any], index: int) -> dict[str, Any]:

@@ -185,7 +185,7 @@ def test_own_health_condition_passes_and_keeps_the_others(
     assert conds["PodScheduled"].status == "False"  # the scheduler's, kept by the merge
 
 
-ONLY_OURS = "only the ember.dev/Thermal and ember.dev/Health conditions"
+ONLY_OURS = "only its ember.dev/Thermal, Health and Adapters conditions"
 
 
 @pytest.mark.parametrize(

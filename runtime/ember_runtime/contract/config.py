@@ -5,8 +5,8 @@ snake_case in Python.
 
 Its `thermal:` section (`contract.thermal.ThermalPolicy`) and `engine.adapters` are left out of
 the pod template's config hash, so changing them reloads the runtimes instead of restarting
-them. The batch ceiling
-is `engine.maxBatchSize` alone: the governor applies the policy to it (`BatchLimits`).
+them. The batch ceiling is `engine.maxBatchSize` alone: the governor applies the policy to it
+(`BatchLimits`).
 """
 
 from __future__ import annotations
