@@ -93,16 +93,15 @@ def _key_ref(obj: Mapping[str, Any], spec: SpecView) -> tuple[str, str, str] | N
     return None if ref is None else (str(_meta(obj).get("namespace", "")), ref.name, ref.key)
 
 
+def _reachable(pod: Mapping[str, Any]) -> bool:
+    """It has an address and is not terminating (its runtime drains: no new work)."""
+    return not _meta(pod).get("deletionTimestamp") and bool((pod.get("status") or {}).get("podIP"))
+
+
 def pod_ready(pod: Mapping[str, Any]) -> bool:
-    if _meta(pod).get("deletionTimestamp"):
-        return False  # terminating: its runtime drains; no new work
-    status = pod.get("status") or {}
-    if not status.get("podIP"):
-        return False
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or []
-    )
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return ready and _reachable(pod)
 
 
 def unschedulable(pod: Mapping[str, Any]) -> bool:
@@ -133,12 +132,11 @@ def runtime_running(pod: Mapping[str, Any]) -> bool:
     runtime listens only once its engine is loaded (its lifespan runs before the socket opens)
     and reports `draining` in its admin state, so the gateway's own probe answering is what the
     kubelet's readiness probe would say, a probe period and a status write sooner."""
-    if _meta(pod).get("deletionTimestamp") or not (pod.get("status") or {}).get("podIP"):
-        return False
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    return any(
+    running = any(
         c.get("name") == "runtime" and (c.get("state") or {}).get("running") for c in statuses
     )
+    return running and _reachable(pod)
 
 
 def _backends(
