@@ -31,6 +31,7 @@ from ember_runtime.contract.config import (
     RuntimeConfig,
     SensorConfig,
     ServerConfig,
+    SpeculationConfig,
     fetch_from_spec,
 )
 from ember_runtime.contract.resource import SITE_LABEL
@@ -194,6 +195,7 @@ def runtime_config(spec: InferenceDeploymentSpec, settings: OperatorSettings) ->
             deterministic=spec.engine.deterministic,
             gpu_layers=spec.engine.gpu_layers,
             adapters=adapter_configs(spec),
+            speculation=speculation_config(spec),
             args=dict(spec.engine.args),
         ),
         server=ServerConfig(
@@ -206,6 +208,20 @@ def runtime_config(spec: InferenceDeploymentSpec, settings: OperatorSettings) ->
             report_condition=True,
         ),
         thermal=thermal_policy(spec),
+    )
+
+
+def speculation_config(spec: InferenceDeploymentSpec) -> SpeculationConfig:
+    """`spec.engine.speculation` as the runtime reads it (the runtime's defaults when unset)."""
+    given = spec.engine.speculation
+    if given is None:
+        return SpeculationConfig()
+    return SpeculationConfig(
+        mode=given.mode,
+        max_draft=given.max_draft,
+        ngram_min=given.ngram_min,
+        ngram_max=given.ngram_max,
+        sequences=given.sequences,
     )
 
 

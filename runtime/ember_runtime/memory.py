@@ -198,8 +198,11 @@ def engine_memory(
     overhead: int = RUNTIME_OVERHEAD_BYTES,
     unified: bool = UNIFIED_BY_DEFAULT,
     offload: Offload = CPU_ONLY,
+    draft_rows: int = 0,
 ) -> EngineMemory:
     """What the llama.cpp engine allocates besides the weights (see the module docstring).
+
+    `draft_rows`: rows a step may add for speculative drafts, each with its logits.
 
     `unified`: one KV pool for all sequences (the same cells in total), whose attention spans
     the whole pool rather than one sequence's stream. `offload`: the layers' share in device
@@ -208,10 +211,12 @@ def engine_memory(
     cells = kv_cells(context, sequences)
     host_kv, device_kv = offload.split(kv_cache_bytes(shape, cells))
     attended = cells if unified else context
-    graph = graph_buffer_bytes(shape, attended, batch_tokens(step_tokens, sequences), sequences)
+    outputs = sequences + draft_rows
+    ubatch = batch_tokens(step_tokens, sequences) + draft_rows
+    graph = graph_buffer_bytes(shape, attended, ubatch, outputs)
     return EngineMemory(
         kv_cache=host_kv,
-        compute_buffer=output_buffer_bytes(shape, sequences) + (graph if offload.host else 0),
+        compute_buffer=output_buffer_bytes(shape, outputs) + (graph if offload.host else 0),
         overhead=overhead,
         device_kv_cache=device_kv,
         device_compute_buffer=graph if offload.device else 0,
@@ -266,6 +271,7 @@ def replica_memory(
         overhead=overhead,
         unified=engine.llamacpp_modes().kv_unified,
         offload=offload,
+        draft_rows=engine.draft_rows(),
     )
 
 

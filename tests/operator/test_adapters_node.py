@@ -32,6 +32,9 @@ pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]
 PROMPT = "The capital of France is"
 # The kubelet's pod sync (its ConfigMap refresh) plus the runtime's reload tick, with room.
 RELOAD_TIMEOUT = 420  # a loaded CI machine: the kubelet syncs pods later
+# The runtime's pod condition, then the operator's status refresh (seconds when idle; CI once
+# saw none in 120 s, before on_fail showed the pod's side).
+CONDITION_TIMEOUT = 240
 
 
 @pytest.fixture
@@ -81,6 +84,19 @@ def _pod(kube: Kube, namespace: str) -> tuple[str, int]:
     statuses = pods[0]["status"].get("containerStatuses") or []
     runtime = next(s for s in statuses if s["name"] == "runtime")
     return pods[0]["metadata"]["uid"], int(runtime["restartCount"])
+
+
+def _what_the_pod_says(kube: Kube, namespace: str) -> str:
+    """On a timeout: the pod's own conditions and the runtime's log tail (where a condition
+    write that did not land says why)."""
+    pods = rest.items(kube.api, "pods", namespace, label_selector="ember.dev/instance=lora")
+    lines = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        lines.append(f"{name}: {(pod.get('status') or {}).get('conditions')}")
+        log = kube.core.read_namespaced_pod_log(name, namespace, container="runtime")
+        lines.append("\n".join(str(log).splitlines()[-40:]))
+    return "\n".join(lines)
 
 
 def _adapters_ready(kube: Kube, namespace: str, reason: str) -> dict[str, Any] | None:
@@ -148,7 +164,8 @@ def test_an_adapter_added_to_the_spec_is_served_without_a_restart(
         refusal = wait_for(
             "AdaptersReady: AdapterRefused",
             lambda: _adapters_ready(kube, namespace, "AdapterRefused"),
-            timeout=120,
+            timeout=CONDITION_TIMEOUT,
+            on_fail=lambda: _what_the_pod_says(kube, namespace),
         )
         assert refusal["status"] == "False"
         assert refusal["message"].startswith("1 adapter(s) refused: wrong: sha256 mismatch")
@@ -168,7 +185,8 @@ def test_an_adapter_added_to_the_spec_is_served_without_a_restart(
         served = wait_for(
             "AdaptersReady: AdaptersServed",
             lambda: _adapters_ready(kube, namespace, "AdaptersServed"),
-            timeout=120,
+            timeout=CONDITION_TIMEOUT,
+            on_fail=lambda: _what_the_pod_says(kube, namespace),
         )
         assert served["status"] == "True"
     # The same pod, its runtime never restarted, its template unchanged.

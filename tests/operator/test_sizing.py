@@ -11,7 +11,7 @@ from ember_operator import quantity, render, sizing
 from ember_operator.api.models import parse_spec
 from ember_operator.settings import OperatorSettings
 from ember_runtime import memory
-from ember_runtime.contract.config import ALL_LAYERS, RuntimeConfig
+from ember_runtime.contract.config import ALL_LAYERS, RuntimeConfig, SpeculationConfig
 from ember_runtime.server.preflight import preflight
 
 from tests.operator.specs import manifest, rendered, size_of
@@ -145,11 +145,11 @@ def test_offloaded_layers_leave_the_host_memory(gemma_gguf: Path) -> None:
     cpu = size_of(parse_spec(_spec_for(gemma_gguf, prewarm={"enabled": False})), settings, shape)
     full = size_of(parse_spec(_spec_for(gemma_gguf, **gpu)), settings, shape)
     # Every layer on the device: weights, KV cache and compute graph leave the host figure,
-    # which keeps the logits and the runtime's own overhead.
+    # which keeps the logits (a row per sequence and per draft row) and the runtime's overhead.
     assert full.gpu_layers == ALL_LAYERS
     assert full.kv_cache_bytes == 0 and full.device_kv_cache_bytes == cpu.kv_cache_bytes
     assert full.device_weights_bytes == gemma_gguf.stat().st_size
-    logits = shape.vocab * 16 * 4
+    logits = shape.vocab * (16 + SpeculationConfig().draft_rows()) * 4
     assert full.compute_buffer_bytes == logits
     assert full.memory_bytes < cpu.memory_bytes - cpu.kv_cache_bytes
     assert full.memory_bytes >= logits + full.overhead_bytes

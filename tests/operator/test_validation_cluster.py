@@ -195,6 +195,17 @@ REJECT: list[tuple[str, Change, str]] = [
         "engine.gpuLayers above 0 requires accelerator.kind nvidia-gpu",
     ),
     (
+        "speculation-on-tensorrt",
+        spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "speculation": {"maxDraft": 4}}}),
+        "engine.speculation only applies to the llamacpp engine",
+    ),
+    (
+        "speculation-ngrams-reversed",
+        spec(engine={"speculation": {"ngramMin": 6}}),
+        "engine.speculation.ngramMin must be less than or equal to ngramMax",
+    ),
+    ("speculation-draft-zero", spec(engine={"speculation": {"maxDraft": 0}}), "maxDraft"),
+    (
         "deterministic-on-tensorrt",
         spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "deterministic": True}}),
         "engine.deterministic only applies to the llamacpp engine",
@@ -379,6 +390,12 @@ ACCEPT: list[tuple[str, Change]] = [
         spec(adapters=[HTTP_ADAPTER], model={**MODEL, "source": HTTP}, prewarm={"enabled": True}),
     ),
     ("scaling-defaults", spec(scaling={})),
+    ("speculation-defaults", spec(engine={"speculation": {}})),
+    (
+        "speculation-off-on-tensorrt",
+        spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "speculation": {"mode": "off"}}}),
+    ),
+    ("speculation-tuned", spec(engine={"speculation": {"maxDraft": 16, "ngramMax": 8}})),
     ("scaling-bounds", spec(scaling={"minReplicas": 1, "maxReplicas": 4, "priority": -5})),
 ]
 

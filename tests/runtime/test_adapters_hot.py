@@ -126,8 +126,12 @@ async def _admin(url: str) -> dict[str, Any]:
         return cast(dict[str, Any], (await client.get("/admin/state")).json())
 
 
-def _decode_thread() -> threading.Thread:
-    (thread,) = [t for t in threading.enumerate() if t.name == "ember-decode"]
+def _decode_thread(engine: LlamaCppEngine) -> threading.Thread:
+    """This engine's own decode thread: other tests' engines may still be alive in the
+    session, each with an `ember-decode` thread of its own."""
+    thread = engine._thread
+    assert thread is not None
+    assert thread.is_alive()
     return thread
 
 
@@ -135,7 +139,8 @@ async def test_add_then_remove_an_adapter_without_a_restart(
     hot: Hot, loras: dict[str, Path], tmp_path: Path
 ) -> None:
     url, state = hot.live.url, hot.live.state
-    engine, started, thread = hot.engine(), state.started, _decode_thread()
+    engine, started = hot.engine(), state.started
+    thread = _decode_thread(engine)
     base = await _text(url, BASE)
     assert await _ids(url) == [BASE]
 
@@ -219,5 +224,5 @@ async def test_add_then_remove_an_adapter_without_a_restart(
     # No restart anywhere.
     assert hot.live.state.engine is engine
     assert hot.live.state.started == started
-    assert _decode_thread() is thread
+    assert _decode_thread(engine) is thread
     assert hot.live.thread.is_alive()

@@ -62,7 +62,8 @@ def test_prewarmed_weights_are_not_charged_to_the_container(
     model_path: Path, tmp_path: Path
 ) -> None:
     config = RuntimeConfig(model_name="m", model_dir=str(model_path.parent))
-    need = memory.engine_memory(memory.read_gguf_shape(model_path), context=2048, sequences=16)
+    shape, drafts = memory.read_gguf_shape(model_path), config.engine.draft_rows()
+    need = memory.engine_memory(shape, context=2048, sequences=16, draft_rows=drafts)
     just_enough = fake_cgroup(tmp_path / "cg", str(need.total))
     with pytest.raises(memory.MemoryLimitError):  # the mapped file's page cache counts
         preflight(config, model_path, just_enough)
@@ -107,14 +108,19 @@ def test_offloaded_kv_cache_is_not_charged_to_the_container(
 ) -> None:
     """A GPU replica sized for its host side only starts; the same limit refuses a CPU one."""
     shape = memory.read_gguf_shape(model_path)
-    cpu_need = memory.engine_memory(shape, context=2048, sequences=16)
+    config = RuntimeConfig(model_name="m", model_dir=str(model_path.parent))
+    drafts = config.engine.draft_rows()  # speculation's rows: their logits stay on the host
+    cpu_need = memory.engine_memory(shape, context=2048, sequences=16, draft_rows=drafts)
     gpu_need = memory.engine_memory(
-        shape, context=2048, sequences=16, offload=memory.Offload(host=0.0, device=1.0)
+        shape,
+        context=2048,
+        sequences=16,
+        offload=memory.Offload(host=0.0, device=1.0),
+        draft_rows=drafts,
     )
     assert gpu_need.device_kv_cache == cpu_need.kv_cache and gpu_need.kv_cache == 0
     assert gpu_need.total < cpu_need.total
     limit = fake_cgroup(tmp_path / "cg", str(gpu_need.total))
-    config = RuntimeConfig(model_name="m", model_dir=str(model_path.parent))
     with pytest.raises(memory.MemoryLimitError):
         preflight(config, model_path, limit)
     on_gpu = config.model_copy(update={"accelerator": "nvidia-gpu"})

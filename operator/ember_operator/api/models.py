@@ -303,6 +303,40 @@ class ModelSpec(CrdModel):
 # ----------------------------------------------------------------------------- engine
 
 
+class SpeculationSpec(CrdModel):
+    """Speculative decoding from the request's own text (prompt lookup; no second model)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            cel(
+                "self.ngramMin <= self.ngramMax",
+                "engine.speculation.ngramMin must be less than or equal to ngramMax",
+            )
+        )
+    )
+
+    mode: Literal["auto", "off"] = Field(
+        default="auto",
+        description=(
+            "auto: each sequence drafts from its prompt and output while enough of its drafts "
+            "are kept to pay for their rows (measured at start on the node), and pauses "
+            "otherwise; off: never. A request may send speculative: false."
+        ),
+    )
+    max_draft: int = Field(default=8, ge=1, le=32, description="Tokens drafted per step at most.")
+    ngram_min: int = Field(default=2, ge=1, le=16, description="Shortest suffix looked up.")
+    ngram_max: int = Field(default=4, ge=1, le=16, description="Longest suffix looked up.")
+    sequences: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description=(
+            "Sequences that may draft in one step; their rows' logits are sized into the "
+            "replica's memory (maxDraft x sequences rows)."
+        ),
+    )
+
+
 class EngineSpec(CrdModel):
     model_config = ConfigDict(
         json_schema_extra=rules(
@@ -321,6 +355,11 @@ class EngineSpec(CrdModel):
             cel(
                 "!has(self.gpuLayers) || self.kind == 'llamacpp'",
                 "engine.gpuLayers only applies to the llamacpp engine",
+            ),
+            cel(
+                "!has(self.speculation) || self.speculation.mode == 'off' || "
+                "self.kind == 'llamacpp'",
+                "engine.speculation only applies to the llamacpp engine",
             ),
         )
     )
@@ -362,6 +401,14 @@ class EngineSpec(CrdModel):
             "every layer; 0 keeps the model on the CPU). Offloaded layers' weights and KV cache "
             "live in GPU memory, so the sized memory request leaves them out (sizing.yaml "
             "in the ConfigMap shows deviceMemory)."
+        ),
+    )
+    speculation: SpeculationSpec | None = Field(
+        default=None,
+        description=(
+            "llamacpp: speculative decoding from the prompt and the output (default: auto; "
+            "never with deterministic). Greedy text keeps its tokens and sampled text its "
+            "distribution."
         ),
     )
     args: dict[str, str] = Field(

@@ -141,6 +141,34 @@ class AdapterConfig(Wire):
     scale: float = Field(default=1.0, ge=0.0, le=100.0, description="LoRA scale (alpha/rank x).")
 
 
+class SpeculationConfig(Wire):
+    """Speculative decoding from the request's own text (engines/speculative.py, issue 48)."""
+
+    mode: Literal["auto", "off"] = Field(
+        default="auto",
+        description="auto: draft from the prompt and the output where it pays (each sequence "
+        "stops drafting while its drafts are not kept often enough); off: never.",
+    )
+    max_draft: int = Field(default=8, ge=1, le=32, description="Tokens drafted per step.")
+    ngram_min: int = Field(default=2, ge=1, le=16, description="Shortest suffix looked up.")
+    ngram_max: int = Field(default=4, ge=1, le=16, description="Longest suffix looked up.")
+    sequences: int = Field(
+        default=4, ge=1, le=64, description="Sequences that may draft in one step."
+    )
+
+    @model_validator(mode="after")
+    def _ngram_order(self) -> Self:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("engine.speculation.ngramMin must not exceed ngramMax")
+        return self
+
+    def draft_rows(self, deterministic: bool = False, kind: str = "llamacpp") -> int:
+        """Rows a step may add for drafts: what the output buffer grows by (0 when off)."""
+        if self.mode == "off" or deterministic or kind != "llamacpp":
+            return 0
+        return self.max_draft * self.sequences
+
+
 class EngineConfig(Wire):
     kind: Literal["llamacpp", "tensorrt-llm"] = "llamacpp"
     context_length: int = Field(default=2048, ge=64)
@@ -187,6 +215,7 @@ class EngineConfig(Wire):
         description="llamacpp: LoRA adapters served beside the base, reloaded live from this "
         "file (server/adapters.py).",
     )
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
     args: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -202,6 +231,10 @@ class EngineConfig(Wire):
         llama.cpp clamps the count to the model's layers (+1 for the output layer), so
         `ALL_LAYERS` means "everything" for any model without reading its header here."""
         return offloaded_layers(self.gpu_layers, accelerator)
+
+    def draft_rows(self) -> int:
+        """Rows a step may spend on speculative drafts (engines/speculative.py)."""
+        return self.speculation.draft_rows(self.llamacpp_modes().deterministic, self.kind)
 
     def llamacpp_modes(self) -> LlamaCppModes:
         """`deterministic`, plus the deprecated `args` flags of the previous release.

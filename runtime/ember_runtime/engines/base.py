@@ -83,6 +83,9 @@ class SamplingParams:
     # Not sampling, but per request like it: the served LoRA adapter (engine.adapters' name)
     # the tokens are generated with; None is the base model.
     adapter: str | None = None
+    # Draft from the request's own text where the engine speculates (engines/speculative.py);
+    # False keeps this request to one token per step. The tokens' distribution is the same.
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -156,6 +159,8 @@ class StepStats:
     seconds: float
     sequences: int
     prompt_tokens: int
+    drafted: int = 0  # speculative draft tokens verified in the step
+    accepted: int = 0  # of them, kept
 
 
 StepObserver = Callable[[StepStats], None]

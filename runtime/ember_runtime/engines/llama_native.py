@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import statistics
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -221,9 +223,15 @@ class LlamaContext:
         unified: bool,
         gpu_layers: int,
         repack: bool,
+        draft_rows: int = 0,
+        draft_per_sequence: int = 0,
     ) -> None:
         self.path = path
         self._sequences = sequences
+        # Speculative drafts (engines/speculative.py): output rows a step may add beyond one
+        # per sequence, and how many of them one sequence may have.
+        self._draft_rows = draft_rows
+        self._draft_per_sequence = draft_per_sequence
         self._sequence_tokens = sequence_tokens
         self._batch_tokens = batch_tokens
         self._threads = threads
@@ -263,11 +271,12 @@ class LlamaContext:
         cparams.n_batch = self._batch_tokens
         cparams.n_ubatch = self._batch_tokens
         cparams.n_seq_max = self._sequences
-        # Logits for one token per sequence at most: sizing the output buffer for the whole
-        # batch would cost n_batch x 262k floats (hundreds of MiB) for nothing.
-        cparams.n_outputs_max = self._sequences
-        # One output per sequence per decode: device samplers size their buffers for one.
-        cparams.n_outputs_max_per_seq = 1
+        # Logits for one token per sequence at most, plus the drafts' rows: sizing the output
+        # buffer for the whole batch would cost n_batch x 262k floats (hundreds of MiB).
+        cparams.n_outputs_max = self._sequences + self._draft_rows
+        # One output per sequence per decode (device samplers size their buffers for it), or
+        # one per token of a draft being verified; a device-sampled sequence never drafts.
+        cparams.n_outputs_max_per_seq = 1 + self._draft_per_sequence
         cparams.n_threads = self._threads
         cparams.n_threads_batch = self._threads
         cparams.kv_unified = self._unified
@@ -350,6 +359,25 @@ class LlamaContext:
         self.fill([(max(self.vocab.bos(), 0), 0, 0, True)])
         self.decode_or_fail("warm-up")
         self.forget(0)
+
+    def row_cost(self, extra: int, repeats: int = 5) -> float:
+        """What one more output row of the same sequence adds to a one-row decode, as a share
+        of it (medians of `repeats`): the price of a speculative draft token on this device.
+        On a CPU the output layer of a 262k vocabulary makes it large (~0.25 measured for
+        Gemma 3 270M on 2 cores); on a GPU small. Costs 2 x `repeats` decodes, once."""
+        first = max(self.vocab.bos(), 0) + 1
+
+        def timed(rows: int) -> float:
+            self.fill([((first + i) % self.vocab.size, i, 0, True) for i in range(rows)])
+            began = time.perf_counter()
+            self.decode_or_fail("draft cost probe")
+            took = time.perf_counter() - began
+            self.forget(0)
+            return took
+
+        one = statistics.median(timed(1) for _ in range(repeats))
+        more = statistics.median(timed(1 + extra) for _ in range(repeats))
+        return max(0.0, (more - one) / (extra * one))
 
     def probe_rows(self, widest: int) -> int:
         """The widest decode whose rows come out bit-identical to the same rows decoded alone.

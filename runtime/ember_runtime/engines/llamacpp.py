@@ -95,6 +95,7 @@ from ember_runtime.engines.scheduler import (
     split_by_adapter,
 )
 from ember_runtime.engines.slots import Sequence, Slots
+from ember_runtime.engines.speculative import SpecSettings, Speculator
 from ember_runtime.engines.stream import Stream, deliver
 from ember_runtime.engines.tools import OPEN, builtin_messages, tools_in_messages
 
@@ -107,6 +108,8 @@ log = logging.getLogger(__name__)
 # tries widths up to this bound; past it a pass over the weights is compute-bound anyway on a
 # small edge CPU.
 _PROBE_MAX_ROWS = 16
+# Speculation: the draft width the row-cost probe times (engines/speculative.py).
+_COST_PROBE_ROWS = 4
 
 
 class LlamaCppEngine(NativeLoop):
@@ -132,6 +135,7 @@ class LlamaCppEngine(NativeLoop):
         device_sampling: DeviceSampling = DeviceSampling.AUTO,
         observer: StepObserver | None = None,
         adapter_specs: Iterable[AdapterSpec] = (),
+        speculation: SpecSettings | None = None,
     ) -> None:
         if not 1 <= capacity <= 256:
             raise ValueError(f"capacity must be within 1..256, got {capacity}")
@@ -160,16 +164,24 @@ class LlamaCppEngine(NativeLoop):
         # whatever its mix of sequences; per-sequence streams need equal-length splits.
         # Never in deterministic mode: attention would span other sequences' (masked) cells.
         unified = unified_kv(deterministic, kv_unified)
+        # A draft's rows are one sequence's several rows in one call, which llama.cpp's kernels
+        # compute differently from one row (its CPU attention takes another path for a lone
+        # query): never in deterministic mode, whose promise is a row computed as alone.
+        self._spec = None if deterministic else speculation
+        self._draft_cost = 1.0  # a draft row's work as a share of a one-row step (at load)
+        draft_rows = self._spec.draft_rows if self._spec else 0
         self._native = LlamaContext(
             model_path,
             sequences=capacity,
             sequence_tokens=context_length,
-            # A step carries every decode row plus up to step_tokens prompt tokens.
-            batch_tokens=step_tokens + capacity,
+            # A step carries every decode row, its drafts, and up to step_tokens prompt tokens.
+            batch_tokens=step_tokens + capacity + draft_rows,
             threads=threads,
             unified=unified,
             gpu_layers=gpu_layers,
             repack=self._repack,
+            draft_rows=draft_rows,
+            draft_per_sequence=self._spec.max_draft if self._spec else 0,
         )
         self._slots = Slots(
             self._native, capacity, prefix_cache=self._prefix_cache, unified=unified
@@ -269,6 +281,13 @@ class LlamaCppEngine(NativeLoop):
         self._grammars = Grammars(vocab)
         self._grammars.risky(OPEN[:1].encode())  # here, not in a decode step that others wait on
         log.info("vocabulary scanned for tool calls in %.2f s", time.perf_counter() - started)
+        if self._spec is not None:
+            self._draft_cost = native.row_cost(min(_COST_PROBE_ROWS, self._spec.max_draft))
+            log.info(
+                "speculative decoding on: a draft row costs %.2f of a one-row step here (a "
+                "sequence drafts while it keeps more than that share of its draft tokens)",
+                self._draft_cost,
+            )
         if self._deterministic:
             rows = native.probe_rows(min(self._capacity, _PROBE_MAX_ROWS))
             self._policy = Policy(
@@ -602,6 +621,8 @@ class LlamaCppEngine(NativeLoop):
         active.sort(key=lambda seq: seq.seq_id)  # consecutive ids: one ubatch (Slots.compact)
         began = time.perf_counter()
         prompt_tokens = 0
+        drafted = self._draft(active)
+        accepted = 0
         # One adapter set per llama_decode (llama.cpp's adapters are the context's).
         for call in split_by_adapter(plan_step(active, self._policy), _adapter_of):
             self._apply_adapter(call)
@@ -612,11 +633,30 @@ class LlamaCppEngine(NativeLoop):
             if rc != 0:
                 self._fail_batch(active, f"llama_decode failed with status {rc}")
                 return
-            self._sample(outputs)
+            accepted += self._sample(outputs)
         self._steps += 1
         self._last_step_sequences = len(active)
         if self._observer is not None:
-            self._observer(StepStats(time.perf_counter() - began, len(active), prompt_tokens))
+            took = time.perf_counter() - began
+            self._observer(StepStats(took, len(active), prompt_tokens, drafted, accepted))
+
+    def _draft(self, active: list[Sequence]) -> int:
+        """Each decoding sequence's draft for this step, within the step's draft rows (taken
+        in turn from a different sequence each step); the tokens drafted."""
+        spec = self._spec
+        if spec is None:
+            return 0
+        budget, total = spec.draft_rows, 0
+        start = self._steps % len(active) if active else 0
+        for seq in active[start:] + active[:start]:
+            if seq.spec is None or seq.prefilled < seq.prompt_len:
+                continue
+            done = seq.prefilled + seq.generated  # the cells in use after this step's row
+            room = min(seq.params.max_tokens - seq.generated - 1, self.info.context_length - done)
+            seq.draft = seq.spec.propose(seq.generated, min(room, budget))
+            budget -= len(seq.draft)
+            total += len(seq.draft)
+        return total
 
     def _apply_adapter(self, call: Call[Sequence]) -> None:
         """Set the call's adapter on the context when it is not the one applied already (the
@@ -630,8 +670,19 @@ class LlamaCppEngine(NativeLoop):
             self._native.use_adapter(loaded.handle, loaded.scale)
         self._applied = loaded
 
-    def _sample(self, outputs: list[tuple[Sequence, int]]) -> None:
+    def _sample(self, outputs: list[tuple[Sequence, int]]) -> int:
+        """Each output's tokens to its stream; the draft tokens kept (speculation)."""
         emits: list[tuple[Stream, Delta]] = []
+        kept = 0
+        drafted = [(seq, first) for seq, first in outputs if seq.draft]
+        if drafted:
+            outputs = [(seq, first) for seq, first in outputs if not seq.draft]
+            for seq, first in drafted:
+                delta, n = self._verify(seq, first)
+                kept += n
+                emits.append((seq.stream, delta))
+                if delta.finish_reason is not None:
+                    self._slots.release(seq, self._steps)
         for seq, tok, row in self._drawer.tokens(outputs):
             seq.sampler.accept(tok)
             if seq.grammar is not None:
@@ -645,10 +696,37 @@ class LlamaCppEngine(NativeLoop):
                     self._slots.release(seq, self._steps)
         if emits and self._loop is not None:
             self._loop.call_soon_threadsafe(deliver, emits)
+        return kept
 
-    def _advance(self, seq: Sequence, tok: int, row: np.ndarray | None) -> Delta | None:
+    def _verify(self, seq: Sequence, first: int) -> tuple[Delta, int]:
+        """Draw each of a drafted sequence's rows in turn with its own sampler: the draft's
+        tokens are kept while the drawn token equals them, the first that differs is kept as
+        the correction (engines/speculative.py says why the distribution is the target's).
+        The cells of the draft tokens not kept are cleared. One merged delta, and the number
+        of draft tokens kept."""
+        draft, seq.draft = seq.draft, []
+        pos = seq.prefilled + seq.generated - 1  # the last token's cell; the draft's follow
+        deltas: list[Delta] = []
+        kept = 0
+        for i in range(len(draft) + 1):
+            row = self._native.logits(first + i)
+            tok = sampling.greedy(row) if seq.sampler.plain_greedy else seq.sampler.sample(row)
+            seq.sampler.accept(tok)
+            delta = self._advance(seq, tok, row)
+            deltas.append(delta)
+            if delta.finish_reason is not None or i == len(draft) or tok != draft[i]:
+                break
+            kept += 1
+        if seq.spec is not None:
+            seq.spec.record(len(draft), kept, seq.generated)
+        if deltas[-1].finish_reason is None and kept < len(draft):
+            self._native.forget(seq.seq_id, pos + kept + 1)
+        return _merged(deltas), kept
+
+    def _advance(self, seq: Sequence, tok: int, row: np.ndarray | None) -> Delta:
         vocab = self._native.vocab
         seq.last_token = tok
+        self._track(seq, tok)
         if vocab.is_eog(tok):
             return Delta(seq.text.flush(), 0, FinishReason.STOP)
         seq.generated += 1
@@ -661,6 +739,21 @@ class LlamaCppEngine(NativeLoop):
         if seq.generated >= seq.params.max_tokens or full:
             return Delta(text + seq.text.flush(), 1, FinishReason.LENGTH, logprobs=lp)
         return Delta(text, 1, logprobs=lp)
+
+    def _track(self, seq: Sequence, tok: int) -> None:
+        """The generated token into the sequence's draft index; the index is made at its first
+        token where it may draft (host-sampled, no grammar, asked for more than one token)."""
+        if seq.spec is not None:
+            seq.spec.index.append(tok)
+        elif (
+            seq.generated == 0
+            and self._spec is not None
+            and seq.params.speculative
+            and seq.params.max_tokens > 1
+            and seq.chain is None
+            and seq.grammar is None
+        ):
+            seq.spec = Speculator([*seq.prompt, tok], self._spec, self._draft_cost)
 
     def _logprob(self, row: np.ndarray, tok: int, top: int) -> TokenLogprob:
         chosen, best = sampling.logprobs(row, tok, top)
@@ -702,15 +795,32 @@ def _adapter_of(seq: Sequence) -> str | None:
     return seq.adapter
 
 
+def _merged(deltas: list[Delta]) -> Delta:
+    """One step's deltas of one sequence (a verified draft) as one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return Delta(
+        "".join(d.text for d in deltas),
+        sum(d.n_tokens for d in deltas),
+        last.finish_reason,
+        last.error,
+        tuple(lp for d in deltas for lp in d.logprobs),
+    )
+
+
 def _rows_of(call: Call[Sequence]) -> tuple[list[Row], list[tuple[Sequence, int]]]:
-    """One call's batch rows, and (sequence, output row) for each row to sample. Marks the
-    prompt tokens it carries as submitted."""
+    """One call's batch rows, and (sequence, first output row) for each sequence to sample (a
+    drafted one's draft rows follow its first). Marks the prompt tokens it carries as
+    submitted."""
     rows: list[Row] = []
     outputs: list[tuple[Sequence, int]] = []
     for seq in call.decodes:
         outputs.append((seq, len(rows)))
         pos = seq.prefilled + seq.generated - 1  # the last sampled token's position
         rows.append((seq.last_token, pos, seq.seq_id, True))
+        for i, tok in enumerate(seq.draft):
+            rows.append((tok, pos + 1 + i, seq.seq_id, True))
     for chunk in call.chunks:
         seq, last = chunk.seq, chunk.start + chunk.count - 1
         for i in range(chunk.start, last + 1):

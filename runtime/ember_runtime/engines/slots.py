@@ -33,6 +33,7 @@ from ember_runtime.engines.device_sampling import DeviceChain
 from ember_runtime.engines.grammar_mask import Grammar
 from ember_runtime.engines.llama_native import LlamaContext
 from ember_runtime.engines.sampling import RowSampler
+from ember_runtime.engines.speculative import Speculator
 from ember_runtime.engines.stream import Stream
 from ember_runtime.engines.text import TextAssembler
 
@@ -42,6 +43,7 @@ class Sequence:
 
     __slots__ = (
         "chain",
+        "draft",
         "generated",
         "grammar",
         "last_token",
@@ -51,6 +53,7 @@ class Sequence:
         "prompt",
         "sampler",
         "seq_id",
+        "spec",
         "stream",
         "text",
     )
@@ -77,6 +80,10 @@ class Sequence:
         # The adapter version it was submitted for (engine-bound; kept while it runs even if
         # the adapter is removed or re-pointed meanwhile).
         self.lora: LoadedAdapter | None = None
+        # Speculative decoding (engines/speculative.py): its drafter, from the first token on
+        # where the request may draft, and this step's draft (decoded after its last token).
+        self.spec: Speculator | None = None
+        self.draft: list[int] = []
 
     @property
     def prompt_len(self) -> int:

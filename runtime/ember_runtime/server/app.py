@@ -18,6 +18,7 @@ from ember_runtime.contract.manifest import resolve_model_path
 from ember_runtime.contract.rollout import HealthReport
 from ember_runtime.contract.thermal import ThermalReading, report_joules
 from ember_runtime.engines.base import Engine, StepObserver
+from ember_runtime.engines.speculative import SpecSettings
 from ember_runtime.kube import ConditionPatcher, Endpoint, pod_status_path
 from ember_runtime.reporter import CoalescingReporter, ConditionReporter
 from ember_runtime.sensors import TemperatureSource, build_source, telemetry_of
@@ -79,7 +80,16 @@ def build_engine(
         device_sampling=DeviceSampling(config.engine.device_sampling),
         observer=observer,
         adapter_specs=adapter_specs(config),
+        speculation=spec_settings(config),
     )
+
+
+def spec_settings(config: RuntimeConfig) -> SpecSettings | None:
+    """`engine.speculation` as the engine takes it; None when off."""
+    spec = config.engine.speculation
+    if spec.mode == "off":
+        return None
+    return SpecSettings(spec.max_draft, spec.ngram_min, spec.ngram_max, spec.sequences)
 
 
 def _embedder(

@@ -57,6 +57,17 @@ class Metrics:
             buckets=_SEQS,
             registry=r,
         )
+        # Speculative decoding (engines/speculative.py): acceptance = accepted / drafted.
+        self.drafted_tokens = Counter(
+            "ember_speculative_drafted_tokens",
+            "Draft tokens verified (speculative decoding).",
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            "ember_speculative_accepted_tokens",
+            "Draft tokens kept (speculative decoding).",
+            registry=r,
+        )
         self.queue_depth = Gauge("ember_queue_depth", "Requests waiting for a slot.", registry=r)
         self.active = Gauge("ember_active_sequences", "Sequences in the batch.", registry=r)
         self.max_batch = Gauge("ember_max_batch_size", "Current max batch size.", registry=r)
@@ -99,6 +110,9 @@ class Metrics:
         # Called from the decode thread; prometheus_client metrics are thread-safe.
         self.step_seconds.observe(stats.seconds)
         self.step_sequences.observe(stats.sequences)
+        if stats.drafted:
+            self.drafted_tokens.inc(stats.drafted)
+            self.accepted_tokens.inc(stats.accepted)
 
     def set_temperatures(self, temps: dict[str, float]) -> None:
         for sensor, celsius in temps.items():

@@ -335,6 +335,7 @@ def _llama_sampling(
         "frequency_penalty": body.frequency_penalty or 0.0,
         "logit_bias": _logit_bias(body.logit_bias, state),
         "ignore_eos": body.ignore_eos,
+        "speculative": body.speculative is not False,
     }
 
 

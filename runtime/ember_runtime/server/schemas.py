@@ -76,6 +76,9 @@ class _Sampling(_Request):
     # OpenAI: {"token id": bias}; llama-server also: [[token id or text, bias or false], ...]
     logit_bias: dict[str, float] | list[list[Any]] | None = None
     ignore_eos: bool = False
+    # Ember: false turns speculative decoding off for this request (None: the engine's
+    # `engine.speculation`); the tokens' distribution is the same either way.
+    speculative: bool | None = None
     # Pass through: they change nothing here (see the module docstring).
     user: str | None = None
     metadata: dict[str, str] | None = None
