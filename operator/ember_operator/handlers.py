@@ -23,7 +23,6 @@ from ember_operator.rollout.observe import node_summary
 from ember_operator.settings import load_settings
 
 RESOURCE = (GROUP, VERSION, PLURAL)
-SETTINGS = load_settings()
 
 
 @kopf.on.login()
@@ -61,7 +60,9 @@ def configure(
             strict=True,
         )
     )
-    memo.ctx = context.build(SETTINGS, indexes)
+    # Read at start-up, not at import: a process that imported this module earlier (a test
+    # harness running several operators in turn) still gets the environment of this start.
+    memo.ctx = context.build(load_settings(), indexes)
 
 
 @kopf.on.startup()

@@ -157,7 +157,13 @@ class CoalescingReporter(Generic[S]):
                 await self._writer.write(cond)
             except Exception as exc:  # any failure is retried; the log says which
                 self.failures += 1
-                log.warning("%s condition not written (retry in %.1fs): %s", self._what, delay, exc)
+                log.warning(
+                    "%s condition not written (retry in %.1fs): %s: %s",
+                    self._what,
+                    delay,
+                    type(exc).__name__,  # a timeout's own text is empty
+                    exc,
+                )
                 await asyncio.sleep(delay)
                 delay = min(self._backoff_cap, delay * 2)
                 continue

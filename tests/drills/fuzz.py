@@ -105,6 +105,10 @@ def repair(spec: dict[str, Any]) -> dict[str, Any]:
         if "minBatchSize" in engine or "maxBatchSize" in engine:
             low, high = engine.get("minBatchSize", 4), engine.get("maxBatchSize", 16)
             engine["minBatchSize"], engine["maxBatchSize"] = min(low, high), max(low, high)
+        speculation = engine.get("speculation")
+        if speculation is not None:
+            low, high = speculation.get("ngramMin", 2), speculation.get("ngramMax", 4)
+            speculation["ngramMin"], speculation["ngramMax"] = min(low, high), max(low, high)
     accelerator = spec.get("accelerator")
     if accelerator is not None and accelerator.get("kind", "cpu") != "cpu":
         accelerator["count"] = max(1, accelerator.get("count", 1))

@@ -94,6 +94,12 @@ def _what_the_pod_says(kube: Kube, namespace: str) -> str:
     for pod in pods:
         name = pod["metadata"]["name"]
         lines.append(f"{name}: {(pod.get('status') or {}).get('conditions')}")
+        runtime = next(c for c in pod["spec"]["containers"] if c["name"] == "runtime")
+        env = {e["name"]: e.get("value") for e in runtime.get("env") or []}
+        lines.append(
+            f"API server env: {env.get('KUBERNETES_SERVICE_HOST')}:"
+            f"{env.get('KUBERNETES_SERVICE_PORT')}; pod IP {pod['status'].get('podIP')}"
+        )
         log = kube.core.read_namespaced_pod_log(name, namespace, container="runtime")
         lines.append("\n".join(str(log).splitlines()[-40:]))
     return "\n".join(lines)

@@ -134,6 +134,28 @@ def test_apply_creates_owned_children(kube: Any, namespace: str, operator: Any) 
     assert not [a for a in meta.get("annotations") or {} if a.startswith("ember.dev/")]
 
 
+def test_the_operator_reads_its_settings_when_it_starts(
+    kube: Any, namespace: str, crd: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its settings come from the environment of this start, not of the module's import: an
+    earlier operator in the same process (the suite runs many) must not pin them. CI failed on
+    this: the runtime pods of a later test got no API server override and could not write
+    their conditions."""
+    import ember_operator.handlers  # noqa: F401 - imported first, as by earlier tests
+
+    monkeypatch.setenv("EMBER_OPERATOR_RUNTIME_API_SERVER_HOST", "192.0.2.77")
+    monkeypatch.setenv("EMBER_OPERATOR_RUNTIME_API_SERVER_PORT", "6443")
+    with running_operator(namespace):
+        rest.create(kube.api, "infd", namespace, manifest("settled"))
+        deployment = wait_for("the Deployment", lambda: _deployment(kube, namespace, "settled"))
+    runtime = next(
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "runtime"
+    )
+    env = {e["name"]: e.get("value") for e in runtime.get("env") or []}
+    assert env["KUBERNETES_SERVICE_HOST"] == "192.0.2.77"
+    assert env["KUBERNETES_SERVICE_PORT"] == "6443"
+
+
 def test_spec_edit_rolls_a_new_replicaset(kube: Any, namespace: str, operator: Any) -> None:
     rest.create(kube.api, "infd", namespace, manifest("beta"))
     before = wait_for("deployment", lambda: _config_hash(kube, namespace, "beta"))
