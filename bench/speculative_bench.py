@@ -7,10 +7,11 @@ field at all.
 
 Servers (same model, threads, 4 slots of 2,048 cells each):
 - `ember`: the runtime at its defaults (speculation auto);
-- `ember (speculation off)`: the same with `engine.speculation.mode: off` (what drafting adds);
+- `ember (speculation off)` with `--ablation`: `engine.speculation.mode: off` (what drafting
+  adds);
 - `llama-server`: `-np 4 -c 8192 -kvu --swa-full`, no speculation (its default);
 - `llama-server --spec-type X`: the same with its n-gram speculation (`--peer-spec`, default
-  ngram-simple and ngram-map-k), each at its own defaults.
+  ngram-simple), at its own defaults.
 The peer at its best is, per goal and row, whichever llama-server configuration is better.
 
 Levels of 1 and 4 concurrent streaming clients (`--clients`); each request carries a serial at
@@ -65,7 +66,10 @@ CONTEXT = 2048  # per sequence: the RAG prompt is ~1,540 tokens
 SLOTS = 4
 PROMPTS_OF = {"chat": PROMPTS, "code-edit": CODE_EDIT, "rag": RAG, "summary": SUMMARY}
 MAX_TOKENS = {"chat": 64, "code-edit": 128, "rag": 96, "summary": 64}
-PEER_SPECS = ["ngram-simple", "ngram-map-k"]
+# llama-server's n-gram speculation types, each at its own defaults. ngram-simple was the faster
+# in a one-repeat trial on code edit and RAG (ngram-map-k: 15.4 against 40.5 decode tok/s on
+# RAG); `--peer-spec ngram-simple,ngram-map-k` runs both.
+PEER_SPECS = ["ngram-simple"]
 
 
 @dataclass
@@ -168,10 +172,11 @@ def llama_server(model: Path, threads: int, spec_type: str | None) -> Server:
     return Server(name, argv, port)
 
 
-def servers(model: Path, threads: int, peer_specs: list[str]) -> list[Server]:
+def servers(model: Path, threads: int, peer_specs: list[str], ablation: bool) -> list[Server]:
+    off = [ember("ember (speculation off)", model, threads, "off")] if ablation else []
     return [
         ember("ember", model, threads, "auto"),
-        ember("ember (speculation off)", model, threads, "off"),
+        *off,
         llama_server(model, threads, None),
         *(llama_server(model, threads, s) for s in peer_specs),
     ]
@@ -362,6 +367,7 @@ def main() -> None:
     p.add_argument("--workloads", default="chat,code-edit,rag,summary")
     p.add_argument("--sampling", default=",".join(SAMPLING))
     p.add_argument("--peer-spec", default=",".join(PEER_SPECS))
+    p.add_argument("--ablation", action="store_true", help="also Ember with speculation off")
     p.add_argument("--lock", default="/tmp/ember-cpu.lock")
     p.add_argument("--name", default="speculative")
     p.add_argument("--replot", type=Path)
@@ -379,7 +385,8 @@ def main() -> None:
     rows: list[Row] = []
     bracket: dict[int, list[float]] = {}
     try:
-        for server in servers(model, args.threads, [s for s in args.peer_spec.split(",") if s]):
+        specs = [s for s in args.peer_spec.split(",") if s]
+        for server in servers(model, args.threads, specs, args.ablation):
             server.start(RESULTS)
             started.append(server)
         step = 0
