@@ -50,12 +50,14 @@ from bench.runtime_bench import (
     RESULTS,
     SAMPLED_WITH,
     SAMPLING,
+    LevelResult,
+    RequestStats,
     Server,
+    _level_result,
     cpu_lock,
     cpu_model,
     git_commit,
     one_request,
-    pct,
     raw_decode_speed,
 )
 from bench.workloads import CODE_EDIT, RAG, SUMMARY
@@ -73,21 +75,10 @@ PEER_SPECS = ["ngram-simple"]
 
 
 @dataclass
-class Row:
-    server: str
-    workload: str  # "shape/sampling"
-    clients: int
-    repeat: int
-    requests: int
-    tokens: int
-    wall: float
-    tok_s: float
-    ttft_p50: float
-    ttft_p99: float
-    itl_p50: float
-    itl_p99: float
-    decode_tok_s: float  # median over requests of tokens after the first / their time
-    errors: int = 0
+class Row(LevelResult):
+    """runtime_bench's level result, and the one-stream decode rate beside it."""
+
+    decode_tok_s: float = 0.0  # median over requests of tokens after the first / their time
 
 
 def body(workload: str, index: int, serial: str) -> dict[str, object]:
@@ -104,45 +95,31 @@ def body(workload: str, index: int, serial: str) -> dict[str, object]:
 
 async def run_level(server: Server, workload: str, clients: int, repeat: int) -> Row:
     per_client = 3 if clients == 1 else 2
-    stats = []
-    errors = 0
+    stats: list[RequestStats] = []
+    failures: list[str] = []
     async with httpx.AsyncClient(base_url=server.base, timeout=900) as client:
         await asyncio.gather(*(client.get("/v1/models") for _ in range(clients)))
         began = time.perf_counter()
 
         async def worker(c: int) -> None:
-            nonlocal errors
             for turn in range(per_client):
                 serial = f"{repeat}.{clients}.{workload}"
                 try:
                     path = "/v1/completions"
-                    stats.append(
-                        await one_request(client, path, body(workload, c + turn * clients, serial))
+                    stat = await one_request(
+                        client, path, body(workload, c + turn * clients, serial)
                     )
-                except httpx.HTTPError:
-                    errors += 1
+                    stat.turn = turn
+                    stats.append(stat)
+                except httpx.HTTPError as exc:
+                    failures.append(f"{type(exc).__name__}: {exc}"[:200])
 
         await asyncio.gather(*(worker(c) for c in range(clients)))
         wall = time.perf_counter() - began
-    tokens = sum(s.tokens for s in stats)
-    gaps = [g for s in stats for g in s.gaps]
+    level = _level_result(server, workload, clients, wall, (stats, failures))
     decode = [(s.tokens - 1) / sum(s.gaps) for s in stats if s.gaps and sum(s.gaps) > 0]
-    return Row(
-        server.name,
-        workload,
-        clients,
-        repeat,
-        len(stats),
-        tokens,
-        wall,
-        tokens / wall,
-        pct([s.ttft for s in stats], 0.5),
-        pct([s.ttft for s in stats], 0.99),
-        pct(gaps, 0.5),
-        pct(gaps, 0.99),
-        statistics.median(decode) if decode else 0.0,
-        errors,
-    )
+    fields = {**asdict(level), "repeat": repeat}
+    return Row(**fields, decode_tok_s=statistics.median(decode) if decode else 0.0)
 
 
 def ember(name: str, model: Path, threads: int, speculation: str) -> Server:
