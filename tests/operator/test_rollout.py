@@ -228,6 +228,11 @@ def test_a_version_that_fails_to_load_is_rolled_back_at_the_canary() -> None:
     assert fleet.sites_on("v1") == set(SITES)  # back on v1, and no other site ever changed
     assert fleet.status.waves[0].phase == "Failed" and fleet.status.waves[1].phase == "Pending"
     assert fleet.reasons()[-2:] == ["WaveFailed", "RolledBack"]
+    # Until the canary's pod runs v1 again its nodes keep v1's files: no pod names them between
+    # the v2 pod's end and the v1 pod's start, and a full cache would evict them then.
+    assert fleet.stage == {"site-00"}
+    fleet.step("v2", 1)
+    assert fleet.status.phase == "RolledBack" and not fleet.stage, "lifted once back"
     fleet.broken = None
     fleet.step("v2", 600)
     assert fleet.status.phase == "RolledBack", "held until the spec changes"

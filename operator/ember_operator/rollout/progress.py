@@ -21,7 +21,10 @@ A site's life in one rollout:
   previous version's on the same site (the baseline taken when the site's wave began).
 
 A failed site rolls back every site on the new revision, from the files its nodes kept (the
-node agent keeps the previous version while the stage request stands).
+node agent keeps the previous version while the stage request stands). The request stands on a
+site that went back until its pods run the previous version again, Ready: between the new pod's
+end and the old one's binding no pod on the node names the old files, and a cache over its
+budget would evict them there (and fetch them again over the WAN).
 """
 
 from __future__ import annotations
@@ -175,10 +178,21 @@ def advance(old: RolloutStatus | None, world: World) -> Decision:
     else:
         _step(state, world, decision)
     decision.revisions = _revisions(state)
-    if state.phase in (PROGRESSING, PAUSED, HALTED):  # done or rolled back: no request stands
+    if state.phase in (PROGRESSING, PAUSED, HALTED):  # done: no request stands
         decision.stage = {s.name for s in state.sites if s.phase != PENDING}
+    elif state.phase == ROLLED_BACK:  # until the sites that went back are back
+        decision.stage = {s.name for s in state.sites if not _back(s, world, state)}
     _summarise(state, world)
     return decision
+
+
+def _back(site: SiteRollout, world: World, state: RolloutStatus) -> bool:
+    """The site runs the stable revision again: each of its pods on it and Ready."""
+    if site.phase == PENDING or not world.replicas.get(site.name):
+        return True  # never staged, or nothing to run there
+    view = world.sites.get(site.name)
+    pods = view.pods if view is not None else ()
+    return bool(pods) and all(p.revision == state.stable_revision and p.ready for p in pods)
 
 
 def _nowhere(world: World, old: RolloutStatus | None) -> Decision:

@@ -282,7 +282,8 @@ class LlamaCppEngine(NativeLoop):
         self._grammars.risky(OPEN[:1].encode())  # here, not in a decode step that others wait on
         log.info("vocabulary scanned for tool calls in %.2f s", time.perf_counter() - started)
         if self._spec is not None:
-            self._draft_cost = native.row_cost(min(_COST_PROBE_ROWS, self._spec.max_draft))
+            fixed, probe = self._spec.row_cost, min(_COST_PROBE_ROWS, self._spec.max_draft)
+            self._draft_cost = fixed if fixed is not None else native.row_cost(probe)
             log.info(
                 "speculative decoding on: a draft row costs %.2f of a one-row step here (a "
                 "sequence drafts while it keeps more than that share of its draft tokens)",

@@ -48,6 +48,9 @@ class SpecSettings:
     ngram_min: int = 2  # the shortest suffix looked up
     ngram_max: int = 4  # the longest suffix looked up (tried first)
     sequences: int = 4  # sequences that may draft in one step (their rows are budgeted)
+    # A draft row's work as a share of a one-row step; None: timed at load (`row_cost`). Fixed,
+    # the draft lengths (and so the batch shapes and their last bits) no longer vary by run.
+    row_cost: float | None = None
 
     @property
     def draft_rows(self) -> int:
