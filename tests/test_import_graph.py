@@ -122,6 +122,7 @@ SHARED = (
     "ember_runtime.cli",  # a process's settings from flags and EMBER_*, and its log format
     "ember_runtime.durable",  # fsync'd writes
     "ember_runtime.gguf_header",  # reads a GGUF's header (the sizing rule, the engines)
+    "ember_runtime.vocabulary",  # compares two GGUFs' vocabularies (prewarm, the engine)
     "ember_runtime.heap",  # freezes the start-up heap
     "ember_runtime.kube",  # the one Kubernetes client
     "ember_runtime.memory",  # the one sizing rule: the operator's requests, the runtime's check

@@ -73,7 +73,9 @@ def planned(ctx: Context, body: Mapping[str, Any]) -> Plan:
     spec = parse_spec(body["spec"])
     config = render.runtime_config(spec, ctx.settings)  # the one copy: sized, then rendered
     shape = sizing.find_gguf_shape(spec, ctx.settings)
-    sized = sizing.compute(spec, config, ctx.settings, shape)
+    draft = spec.engine.draft_model
+    drafter = sizing.find_gguf_shape(spec, ctx.settings, draft) if draft else None
+    sized = sizing.compute(spec, config, ctx.settings, shape, drafter)
     manifests = _render(ctx, body, spec, config, sized)
     children = {m["kind"]: Child(m["metadata"]["name"], str(digest_of(m))) for m in manifests}
     plan = Plan(spec, config, sized, children, render.problems(spec, sized))

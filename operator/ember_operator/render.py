@@ -213,15 +213,16 @@ def runtime_config(spec: InferenceDeploymentSpec, settings: OperatorSettings) ->
 
 def speculation_config(spec: InferenceDeploymentSpec) -> SpeculationConfig:
     """`spec.engine.speculation` as the runtime reads it (the runtime's defaults when unset)."""
-    given = spec.engine.speculation
+    given, draft = spec.engine.speculation, spec.engine.draft_model
     if given is None:
-        return SpeculationConfig()
+        return SpeculationConfig(draft_model=draft)
     return SpeculationConfig(
         mode=given.mode,
         max_draft=given.max_draft,
         ngram_min=given.ngram_min,
         ngram_max=given.ngram_max,
         sequences=given.sequences,
+        draft_model=draft,
     )
 
 

@@ -49,15 +49,18 @@ SHM_SLACK_BYTES = 64 * quantity.MIB
 STARTUP_PERIOD_SECONDS = 1
 
 
-def find_gguf_shape(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> GGUFShape | None:
-    """Find the model's GGUF file where this operator can read it, else None (estimate)."""
+def find_gguf_shape(
+    spec: InferenceDeploymentSpec, settings: OperatorSettings, path: str | None = None
+) -> GGUFShape | None:
+    """Find the model's GGUF file (or the file at `path`, the draft model) where this operator
+    can read it, else None (estimate)."""
     if spec.model.format != ModelFormat.GGUF:
         return None
     roots = list(settings.model_roots)
     if spec.model.source.host_path is not None:
         roots.insert(0, Path(spec.model.source.host_path.path))
     for file in spec.model.files:
-        if not file.path.endswith(".gguf"):
+        if not file.path.endswith(".gguf") or path not in (None, file.path):
             continue
         for root in roots:
             candidate = root / file.path
@@ -120,11 +123,17 @@ def _estimate(model_bytes: int, cells: int) -> tuple[int, int]:
 
 
 def _engine_need(
-    config: RuntimeConfig, shape: GGUFShape | None, total: int, overhead: int, offload: Offload
+    config: RuntimeConfig,
+    shape: GGUFShape | None,
+    total: int,
+    overhead: int,
+    offload: Offload,
+    *,
+    draft: GGUFShape | None = None,
 ) -> tuple[int, int, int, int]:
     """(host KV, host compute, device KV, device compute) bytes for one replica."""
     if shape is not None:  # the runtime checks the same figure, from the same config, at start
-        need = replica_memory(config, shape, overhead)
+        need = replica_memory(config, shape, overhead, draft)
         return need.kv_cache, need.compute_buffer, need.device_kv_cache, need.device_compute_buffer
     kv, buf = _estimate(total, kv_cells(config.engine.context_length, config.engine.max_batch_size))
     host_kv, device_kv = offload.split(kv)
@@ -163,14 +172,20 @@ def compute(
     config: RuntimeConfig,
     settings: OperatorSettings,
     shape: GGUFShape | None,
+    draft: GGUFShape | None = None,
 ) -> Sizing:
     """Pure: the sizing of one replica from its spec, the runtime config rendered from it (what
-    the engine will allocate) and (when readable) its GGUF header."""
+    the engine will allocate) and (when readable) its GGUF header and its draft model's. A
+    draft model's header that cannot be read here is sized as the served model's estimate."""
     total = model_bytes(spec)
     shm = shared_memory_bytes(spec)
     overhead = settings.runtime_overhead_mib * quantity.MIB
     offload = offload_for(config, shape.layers if shape is not None else None)
-    kv, buf, device_kv, device_buf = _engine_need(config, shape, total, overhead, offload)
+    if draft is None and shape is not None and config.draft_file() is not None:
+        shape = None  # the runtime's check counts the draft's cells: no header, no figure
+    kv, buf, device_kv, device_buf = _engine_need(
+        config, shape, total, overhead, offload, draft=draft
+    )
     host_weights, device_weights = offload.split(total)
     # The prewarm volume holds every weight in host memory; without it, the page cache of the
     # mmapped files the CPU layers read.

@@ -15,6 +15,7 @@ count and the elements. Little-endian; versions 2 and 3.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ class LongArray:
 
     element_type: int
     length: int
+    sha256: str | None = None  # of a string array's elements, each length-prefixed (on request)
 
 
 Value = int | float | bool | str | list[int | float | bool] | LongArray
@@ -53,8 +55,10 @@ class GGUFHeaderError(ValueError):
     """Not a GGUF file this reader understands, or a truncated/corrupt header."""
 
 
-def read_header(path: Path) -> dict[str, Value]:
-    """Every key of the header; values as described in the module docstring."""
+def read_header(path: Path, *, digest_strings: bool = False) -> dict[str, Value]:
+    """Every key of the header; values as described in the module docstring. With
+    `digest_strings`, a long string array (the vocabulary's tokens) comes with the sha256 of
+    its elements: two vocabularies compared in a few kilobytes of memory."""
     with path.open("rb", buffering=1 << 16) as f:
         if f.read(4) != b"GGUF":
             raise GGUFHeaderError(f"{path}: not a GGUF file")
@@ -62,7 +66,7 @@ def read_header(path: Path) -> dict[str, Value]:
         if version not in (2, 3):
             raise GGUFHeaderError(f"{path}: GGUF version {version} is not supported")
         _tensors, count = _unpack(f, "<QQ")
-        return {_string(f): _value(f, _unpack(f, "<I")[0]) for _ in range(count)}
+        return {_string(f): _value(f, _unpack(f, "<I")[0], digest_strings) for _ in range(count)}
 
 
 def _unpack(f: BinaryIO, fmt: str) -> tuple[int, ...]:
@@ -83,7 +87,7 @@ def _string(f: BinaryIO) -> str:
     return data.decode("utf-8", "replace")
 
 
-def _value(f: BinaryIO, kind: int) -> Value:
+def _value(f: BinaryIO, kind: int, digest_strings: bool = False) -> Value:
     fmt = _SCALARS.get(kind)
     if fmt is not None:
         return _unpack(f, fmt)[0]
@@ -97,6 +101,12 @@ def _value(f: BinaryIO, kind: int) -> Value:
         return list(struct.unpack(f"<{length}{fmt[1]}", f.read(struct.calcsize(fmt) * length)))
     if fmt is not None:
         f.seek(struct.calcsize(fmt) * length, 1)
+    elif element == _STRING and digest_strings:
+        digest = hashlib.sha256()
+        for _ in range(length):
+            (n,) = _unpack(f, "<Q")
+            digest.update(struct.pack("<Q", n) + f.read(n))
+        return LongArray(element, length, digest.hexdigest())
     elif element == _STRING:
         for _ in range(length):  # each element has its own length: skip them one by one
             (n,) = _unpack(f, "<Q")

@@ -41,6 +41,7 @@ from pathlib import Path
 from ember_runtime.contract.config import (
     ALL_LAYERS,
     DEFAULT_STEP_TOKENS,
+    DRAFT_BATCH_TOKENS,
     UNIFIED_BY_DEFAULT,
     RuntimeConfig,
 )
@@ -253,17 +254,22 @@ def offload_for(config: RuntimeConfig, layers: int | None) -> Offload:
 
 
 def replica_memory(
-    config: RuntimeConfig, shape: GGUFShape, overhead: int = RUNTIME_OVERHEAD_BYTES
+    config: RuntimeConfig,
+    shape: GGUFShape,
+    overhead: int = RUNTIME_OVERHEAD_BYTES,
+    draft: GGUFShape | None = None,
 ) -> EngineMemory:
     """What the engine `config` starts allocates besides the weights: the figure the operator
     sizes the pod with and the runtime checks its cgroup limit against, both from the one
-    config the ConfigMap carries (context, batch, step, KV layout, offload, task)."""
+    config the ConfigMap carries (context, batch, step, KV layout, offload, task). `draft`:
+    the draft model's shape (`engine.speculation.draftModel`), whose context adds its own KV
+    cells for every sequence and a batch of `DRAFT_BATCH_TOKENS` rows (engines/draft.py)."""
     engine, offload = config.engine, offload_for(config, shape.layers)
     if config.task == "embed":
         return embedding_memory(
             shape, context=engine.context_length, overhead=overhead, offload=offload
         )
-    return engine_memory(
+    need = engine_memory(
         shape,
         context=engine.context_length,
         sequences=engine.max_batch_size,
@@ -272,6 +278,24 @@ def replica_memory(
         unified=engine.llamacpp_modes().kv_unified,
         offload=offload,
         draft_rows=engine.draft_rows(),
+    )
+    if draft is None or config.draft_file() is None:
+        return need
+    drafting = engine_memory(
+        draft,
+        context=engine.context_length,
+        sequences=engine.max_batch_size,
+        step_tokens=DRAFT_BATCH_TOKENS - engine.max_batch_size,
+        overhead=0,
+        unified=True,
+        offload=offload_for(config, draft.layers),
+    )
+    return EngineMemory(
+        kv_cache=need.kv_cache + drafting.kv_cache,
+        compute_buffer=need.compute_buffer + drafting.compute_buffer,
+        overhead=need.overhead,
+        device_kv_cache=need.device_kv_cache + drafting.device_kv_cache,
+        device_compute_buffer=need.device_compute_buffer + drafting.device_compute_buffer,
     )
 
 

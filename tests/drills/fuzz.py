@@ -109,6 +109,7 @@ def repair(spec: dict[str, Any]) -> dict[str, Any]:
         if speculation is not None:
             low, high = speculation.get("ngramMin", 2), speculation.get("ngramMax", 4)
             speculation["ngramMin"], speculation["ngramMax"] = min(low, high), max(low, high)
+        engine.pop("draftModel", None)  # it must name a second file of the fixed model
     accelerator = spec.get("accelerator")
     if accelerator is not None and accelerator.get("kind", "cpu") != "cpu":
         accelerator["count"] = max(1, accelerator.get("count", 1))

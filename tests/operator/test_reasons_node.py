@@ -25,6 +25,7 @@ from tests.e2e.flow import table_columns
 from tests.operator import rest
 from tests.operator.specs import hostpath_model, manifest
 from tests.support.model import MODEL_FILENAME, MODEL_SHA256
+from tests.support.vocab_gguf import write_vocab_gguf
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]
@@ -109,6 +110,42 @@ def test_corrupted_model_byte_shows_checksum_mismatch(
     assert len(events) == 1, json.dumps(events, indent=1)
     (event,) = events
     assert event["reason"] == "ChecksumMismatch" and detail in event["message"]
+
+
+@pytest.fixture
+def foreign_draft(gemma_gguf: Path, model_dir: Path) -> tuple[Path, int]:
+    """The real model in `model_dir` beside draft.gguf, a vocabulary that is not Gemma's:
+    (directory, the model's size)."""
+    model_dir.mkdir(parents=True)
+    shutil.copyfile(gemma_gguf, model_dir / MODEL_FILENAME)
+    draft = write_vocab_gguf(model_dir / "draft.gguf")
+    for path, mode in ((model_dir, 0o755), (model_dir / MODEL_FILENAME, 0o644), (draft, 0o644)):
+        path.chmod(mode)  # prewarm runs as uid 65532
+    return model_dir, gemma_gguf.stat().st_size
+
+
+def test_a_draft_model_of_another_vocabulary_shows_draft_vocabulary_mismatch(
+    kube: Kube, namespace: str, operator: Any, runtime_image: str, foreign_draft: tuple[Path, int]
+) -> None:
+    """engine.draftModel naming a model whose vocabulary is not Gemma's: the real prewarm
+    refuses it before copying (its preflight), and the object says why."""
+    model_dir, model_size = foreign_draft
+    draft = model_dir / "draft.gguf"
+    obj = _infd(runtime_image, "drafted", model_dir, model_size)
+    size, sha = draft.stat().st_size, hashlib.sha256(draft.read_bytes()).hexdigest()
+    obj["spec"]["model"]["files"].append({"path": "draft.gguf", "sha256": sha, "sizeBytes": size})
+    obj["spec"]["engine"] = {"draftModel": "draft.gguf"}
+    rest.create(kube.api, "infd", namespace, obj)
+
+    def status_column() -> dict[str, str] | None:
+        cols = table_columns(kube.kubectl("get", "infd", "drafted", "-n", namespace))
+        return cols if cols["STATUS"] == "DraftVocabularyMismatch" else None
+
+    wait_for("STATUS DraftVocabularyMismatch", status_column, timeout=240, interval=1)
+    degraded = rest.true_condition(kube.api, namespace, "drafted", "Degraded")
+    assert degraded is not None and degraded["reason"] == "DraftVocabularyMismatch"
+    detail = f"draft.gguf has another vocabulary than {MODEL_FILENAME}: vocabulary size 10"
+    assert detail in degraded["message"], degraded
 
 
 def test_missing_model_directory_shows_the_kubelets_mount_failure(

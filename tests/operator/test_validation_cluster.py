@@ -49,6 +49,10 @@ def http_url(url: str) -> Change:
 
 
 MODEL = manifest()["spec"]["model"]
+WITH_DRAFT = {  # engine.draftModel names a second file of the model
+    **MODEL,
+    "files": [*MODEL["files"], {"path": "draft.gguf", "sha256": SHA, "sizeBytes": 10}],
+}
 TRT_MODEL = {
     **MODEL,
     "format": "trtllm-engine",
@@ -205,6 +209,26 @@ REJECT: list[tuple[str, Change, str]] = [
         "engine.speculation.ngramMin must be less than or equal to ngramMax",
     ),
     ("speculation-draft-zero", spec(engine={"speculation": {"maxDraft": 0}}), "maxDraft"),
+    (
+        "draft-model-not-a-file",
+        spec(model=WITH_DRAFT, engine={"draftModel": "other.gguf"}),
+        "engine.draftModel must be the path of a .gguf file in model.files other than the first",
+    ),
+    (
+        "draft-model-is-the-served-model",
+        spec(model=WITH_DRAFT, engine={"draftModel": "gemma.gguf"}),
+        "engine.draftModel must be the path of a .gguf file in model.files other than the first",
+    ),
+    (
+        "draft-model-with-speculation-off",
+        spec(model=WITH_DRAFT, engine={"draftModel": "draft.gguf", "speculation": {"mode": "off"}}),
+        "engine.draftModel requires engine.kind llamacpp, model.task generate and speculation on",
+    ),
+    (
+        "draft-model-deterministic",
+        spec(model=WITH_DRAFT, engine={"draftModel": "draft.gguf", "deterministic": True}),
+        "engine.draftModel requires engine.kind llamacpp, model.task generate and speculation on",
+    ),
     (
         "deterministic-on-tensorrt",
         spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "deterministic": True}}),
@@ -396,6 +420,7 @@ ACCEPT: list[tuple[str, Change]] = [
         spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "speculation": {"mode": "off"}}}),
     ),
     ("speculation-tuned", spec(engine={"speculation": {"maxDraft": 16, "ngramMax": 8}})),
+    ("draft-model", spec(model=WITH_DRAFT, engine={"draftModel": "draft.gguf"})),
     ("scaling-bounds", spec(scaling={"minReplicas": 1, "maxReplicas": 4, "priority": -5})),
 ]
 

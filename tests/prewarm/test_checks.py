@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,15 +17,20 @@ from ember_runtime.prewarm.checks import (
     Preflight,
     Status,
     check_cpu_features,
+    check_draft_model,
     check_memory,
     check_shm_space,
     check_source_files,
     check_target_writable,
     run_checks,
 )
+from ember_runtime.prewarm.copy import CopyOptions
+from ember_runtime.prewarm.errors import PrewarmError
 from ember_runtime.prewarm.report import render_table, to_json
+from ember_runtime.prewarm.run import prewarm
 
 from tests.prewarm.conftest import MakeSetup, Setup
+from tests.support.vocab_gguf import write_vocab_gguf
 
 MODEL = 1 << 20
 
@@ -235,3 +242,43 @@ def test_report_table_and_json() -> None:
         "value": "available 1.0 MB",
         "detail": "tight",
     }
+
+
+DRAFT = {"speculation": {"draftModel": "draft.gguf"}}
+
+
+def test_a_draft_model_of_the_same_vocabulary_passes(
+    make_setup: MakeSetup, gemma_path: Path
+) -> None:
+    same = make_setup({"m.gguf": gemma_path, "draft.gguf": gemma_path}, engine=DRAFT)
+    ok = check_draft_model(Preflight(same.config))
+    assert ok.status is Status.OK and "the same vocabulary" in ok.value
+
+
+def test_a_draft_model_of_another_vocabulary_fails_before_anything_is_copied(
+    make_setup: MakeSetup, gemma_path: Path, tmp_path: Path
+) -> None:
+    """Refused with its reason: the pod's termination message, then the object's Degraded
+    reason (tests/operator/test_reasons_node.py)."""
+    other = write_vocab_gguf(tmp_path / "other.gguf").read_bytes()
+    bad = make_setup({"m.gguf": gemma_path, "draft.gguf": other}, engine=DRAFT)
+    with pytest.raises(PrewarmError) as err:
+        prewarm(Preflight(bad.config), CopyOptions(), io.StringIO(), threading.Event())
+    assert err.value.reason == "DraftVocabularyMismatch"
+    assert err.value.termination_message().startswith(
+        "DraftVocabularyMismatch: draft model: draft.gguf has another vocabulary than m.gguf: "
+        "vocabulary size 10 against 262144"
+    ), err.value.termination_message()
+    assert not bad.target.exists() or not any(bad.target.iterdir()), "copied before the check"
+
+
+def test_a_draft_model_must_be_another_file_of_the_model(make_setup: MakeSetup) -> None:
+    s = make_setup({"m.gguf": b"m", "d.gguf": b"d"})
+    for draft, ok in (("d.gguf", True), ("m.gguf", False), ("x.gguf", False)):
+        fields = s.config.model_dump(by_alias=True)
+        fields["engine"]["speculation"]["draftModel"] = draft
+        if ok:
+            assert RuntimeConfig.model_validate(fields).draft_file() is not None
+        else:
+            with pytest.raises(ValueError, match="must name a file of files other than the first"):
+                RuntimeConfig.model_validate(fields)

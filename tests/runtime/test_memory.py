@@ -125,3 +125,31 @@ def test_offloaded_kv_cache_is_not_charged_to_the_container(
         preflight(config, model_path, limit)
     on_gpu = config.model_copy(update={"accelerator": "nvidia-gpu"})
     assert preflight(on_gpu, model_path, limit) == gpu_need
+
+
+def test_a_draft_model_adds_its_cells_and_batch_to_the_check(model_path: Path) -> None:
+    """engine.draftModel: its own KV cells for every sequence and its batch's buffers, in the
+    figure the runtime checks (and the operator sizes with); the served model's part unchanged."""
+    files = [
+        {"path": model_path.name, "sha256": "0" * 64, "sizeBytes": 1},
+        {"path": "draft.gguf", "sha256": "0" * 64, "sizeBytes": 1},
+    ]
+    fields = {"model_name": "m", "model_dir": str(model_path.parent), "files": files}
+    plain = RuntimeConfig.model_validate(fields)
+    speculation = {"speculation": {"draftModel": "draft.gguf"}}
+    drafted = RuntimeConfig.model_validate({**fields, "engine": speculation})
+    shape = memory.read_gguf_shape(model_path)
+    alone = memory.replica_memory(plain, shape)
+    assert memory.replica_memory(plain, shape, draft=shape) == alone, "no draft configured"
+    both = memory.replica_memory(drafted, shape, draft=shape)
+    own = memory.engine_memory(
+        shape,
+        context=2048,
+        sequences=plain.engine.max_batch_size,
+        step_tokens=512 - plain.engine.max_batch_size,
+        overhead=0,
+        unified=True,
+    )
+    assert both.kv_cache == alone.kv_cache + own.kv_cache
+    assert both.compute_buffer == alone.compute_buffer + own.compute_buffer
+    assert both.overhead == alone.overhead

@@ -411,6 +411,17 @@ class EngineSpec(CrdModel):
             "distribution."
         ),
     )
+    draft_model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description=(
+            "llamacpp: the path of one of model.files (not the first, which is the served "
+            "model) holding a smaller model of the same vocabulary, which drafts the tokens "
+            "speculation verifies instead of the lookup. Fetched, verified and prewarmed with "
+            "the model; prewarm refuses one whose vocabulary differs (DraftVocabularyMismatch)."
+        ),
+    )
     args: dict[str, str] = Field(
         default_factory=dict,
         max_length=64,
@@ -864,6 +875,20 @@ _SPEC_RULES = rules(
         "!has(self.adapters) || self.adapters.all(a, has(a.url) == has(self.model.source.http))",
         "adapters[].url is required with model.source.http and only there (with any other "
         "source the adapter lies in the model's directory)",
+    ),
+    cel(
+        "!has(self.engine.draftModel) || (self.model.files.exists(f, f.path == "
+        "self.engine.draftModel) && self.model.files[0].path != self.engine.draftModel "
+        "&& self.engine.draftModel.endsWith('.gguf'))",
+        "engine.draftModel must be the path of a .gguf file in model.files other than the "
+        "first (the served model)",
+    ),
+    cel(
+        "!has(self.engine.draftModel) || (self.engine.kind == 'llamacpp' && "
+        "self.model.task == 'generate' && !self.engine.deterministic && "
+        "(!has(self.engine.speculation) || self.engine.speculation.mode != 'off'))",
+        "engine.draftModel requires engine.kind llamacpp, model.task generate and speculation "
+        "on (not deterministic, speculation.mode not off)",
     ),
     cel(
         "!has(self.scaling) || !has(self.rollout)",

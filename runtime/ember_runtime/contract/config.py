@@ -105,6 +105,8 @@ def fetch_from_spec(model: Any) -> ModelFetch | None:
 # llama-server's 1.21 s at 16 clients; 1.13 s at 1024, in runs of bench/runtime_bench.py with
 # `--servers ember:stepTokens=...` at 32 requests; the default's full run is in bench/results).
 DEFAULT_STEP_TOKENS = 1024
+# A draft model's batch (engines/draft.py): the rows of one catch-up decode, sized into memory.
+DRAFT_BATCH_TOKENS = 512
 # llama.cpp offloads min(n_gpu_layers, layers + 1): any count above every model's depth is "all".
 ALL_LAYERS = 999
 # Fast mode keeps all sequences in one KV pool (llama-server's -kvu); deterministic mode never.
@@ -154,6 +156,11 @@ class SpeculationConfig(Wire):
     ngram_max: int = Field(default=4, ge=1, le=16, description="Longest suffix looked up.")
     sequences: int = Field(
         default=4, ge=1, le=64, description="Sequences that may draft in one step."
+    )
+    draft_model: str | None = Field(
+        default=None,
+        description="A file of `files` (not the first: the served model) whose smaller model "
+        "drafts instead of the lookup; its vocabulary must be the served model's.",
     )
 
     @model_validator(mode="after")
@@ -366,6 +373,25 @@ class RuntimeConfig(Wire):
         if any(a.name == self.model_name for a in adapters):
             raise ValueError("an adapter's name must differ from modelName (the base's id)")
         return self
+
+    @model_validator(mode="after")
+    def _draft_settings(self) -> Self:
+        draft = self.engine.speculation.draft_model
+        if draft is None:
+            return self
+        if self.engine.kind != "llamacpp" or self.task != "generate":
+            raise ValueError("engine.speculation.draftModel requires llamacpp and task generate")
+        if draft not in [f.path for f in self.files[1:]]:
+            raise ValueError(
+                f"engine.speculation.draftModel {draft!r} must name a file of files other than "
+                "the first (the served model)"
+            )
+        return self
+
+    def draft_file(self) -> ModelFile | None:
+        """The draft model's file (`engine.speculation.draftModel`), or None."""
+        draft = self.engine.speculation.draft_model
+        return next((f for f in self.files if f.path == draft), None) if draft else None
 
     def adapter_file(self, adapter: AdapterConfig) -> Path:
         """Where `adapter` is read from: its path, under the model dir unless absolute."""

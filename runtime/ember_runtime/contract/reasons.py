@@ -94,6 +94,14 @@ CONFIG_INVALID = _define(
     "Prewarm could not read its ConfigMap: the runtime image and the operator are different "
     "versions. Use the image that matches the operator.",
 )
+DRAFT_VOCABULARY_MISMATCH = _define(
+    "DraftVocabularyMismatch",
+    PREWARM,
+    "`engine.speculation.draftModel` names a model whose vocabulary differs from the served "
+    "model's (message: the first difference: tokenizer, size, token list, begin or end "
+    "token). Its draft tokens would mean other text: use a draft model of the same family, "
+    "or remove draftModel (drafts then come from the request's own text).",
+)
 PREWARM_INTERRUPTED = _define(
     "PrewarmInterrupted",
     PREWARM,

@@ -365,19 +365,24 @@ class LlamaContext:
         of it (medians of `repeats`): the price of a speculative draft token on this device.
         On a CPU the output layer of a 262k vocabulary makes it large (~0.25 measured for
         Gemma 3 270M on 2 cores); on a GPU small. Costs 2 x `repeats` decodes, once."""
+        one = self.step_seconds(1, repeats)
+        more = self.step_seconds(1 + extra, repeats)
+        return max(0.0, (more - one) / (extra * one))
+
+    def step_seconds(self, rows: int, repeats: int = 5) -> float:
+        """A decode of `rows` rows of sequence 0, each with logits (median of `repeats`);
+        sequence 0's cells are cleared after each."""
         first = max(self.vocab.bos(), 0) + 1
 
-        def timed(rows: int) -> float:
+        def timed() -> float:
             self.fill([((first + i) % self.vocab.size, i, 0, True) for i in range(rows)])
             began = time.perf_counter()
-            self.decode_or_fail("draft cost probe")
+            self.decode_or_fail("timing probe")
             took = time.perf_counter() - began
             self.forget(0)
             return took
 
-        one = statistics.median(timed(1) for _ in range(repeats))
-        more = statistics.median(timed(1 + extra) for _ in range(repeats))
-        return max(0.0, (more - one) / (extra * one))
+        return statistics.median(timed() for _ in range(repeats))
 
     def probe_rows(self, widest: int) -> int:
         """The widest decode whose rows come out bit-identical to the same rows decoded alone.

@@ -82,6 +82,7 @@ from ember_runtime.engines.base import (
 )
 from ember_runtime.engines.chat import render_template
 from ember_runtime.engines.device_sampling import DeviceSampling
+from ember_runtime.engines.draft import DraftModel, Want
 from ember_runtime.engines.draw import Drawer, sampler_pool
 from ember_runtime.engines.grammar_mask import Grammar, Grammars
 from ember_runtime.engines.llama_native import LlamaContext, NativeLoop, Row, Vocab
@@ -183,6 +184,19 @@ class LlamaCppEngine(NativeLoop):
             draft_rows=draft_rows,
             draft_per_sequence=self._spec.max_draft if self._spec else 0,
         )
+        self._drafter = (
+            DraftModel(
+                self._spec.draft_model,
+                served=model_path,
+                sequences=capacity,
+                context_length=context_length,
+                threads=threads,
+                gpu_layers=gpu_layers,
+                repack=self._repack,
+            )
+            if self._spec is not None and self._spec.draft_model is not None
+            else None
+        )
         self._slots = Slots(
             self._native, capacity, prefix_cache=self._prefix_cache, unified=unified
         )
@@ -282,19 +296,33 @@ class LlamaCppEngine(NativeLoop):
         self._grammars.risky(OPEN[:1].encode())  # here, not in a decode step that others wait on
         log.info("vocabulary scanned for tool calls in %.2f s", time.perf_counter() - started)
         if self._spec is not None:
-            fixed, probe = self._spec.row_cost, min(_COST_PROBE_ROWS, self._spec.max_draft)
-            self._draft_cost = fixed if fixed is not None else native.row_cost(probe)
-            log.info(
-                "speculative decoding on: a draft row costs %.2f of a one-row step here (a "
-                "sequence drafts while it keeps more than that share of its draft tokens)",
-                self._draft_cost,
-            )
+            self._draft_cost = self._load_drafting(self._spec, vocab)
         if self._deterministic:
             rows = native.probe_rows(min(self._capacity, _PROBE_MAX_ROWS))
             self._policy = Policy(
                 deterministic=True, step_tokens=self._step_tokens, exact_rows=rows
             )
         self._log_ready()
+
+    def _load_drafting(self, spec: SpecSettings, vocab: Vocab) -> float:
+        """Load the draft model, if any; a draft token's work as a share of a one-row step:
+        its row here, plus the draft model's decode where one drafts."""
+        native = self._native
+        fixed, probe = spec.row_cost, min(_COST_PROBE_ROWS, spec.max_draft)
+        cost = fixed if fixed is not None else native.row_cost(probe)
+        source = "the prompt and output"
+        if self._drafter is not None:
+            self._drafter.open(vocab)
+            if fixed is None:
+                cost += self._drafter.step_seconds() / native.step_seconds(1)
+            source = f"the draft model {self._drafter.path.name}"
+        log.info(
+            "speculative decoding on, drafts from %s: a draft token costs %.2f of a one-row "
+            "step here (a sequence drafts while it keeps more than that share of them)",
+            source,
+            cost,
+        )
+        return cost
 
     def _log_ready(self) -> None:
         log.info(
@@ -345,6 +373,8 @@ class LlamaCppEngine(NativeLoop):
             return
         self._slots.close(self._steps)
         self._native.close()
+        if self._drafter is not None:
+            self._drafter.close()
 
     # --- the Engine API (event loop side) ----------------------------------------------------
 
@@ -647,17 +677,27 @@ class LlamaCppEngine(NativeLoop):
         spec = self._spec
         if spec is None:
             return 0
-        budget, total = spec.draft_rows, 0
+        budget = spec.draft_rows
         start = self._steps % len(active) if active else 0
+        wants: list[tuple[Sequence, int]] = []
         for seq in active[start:] + active[:start]:
             if seq.spec is None or seq.prefilled < seq.prompt_len:
                 continue
             done = seq.prefilled + seq.generated  # the cells in use after this step's row
             room = min(seq.params.max_tokens - seq.generated - 1, self.info.context_length - done)
-            seq.draft = seq.spec.propose(seq.generated, min(room, budget))
-            budget -= len(seq.draft)
-            total += len(seq.draft)
-        return total
+            count = seq.spec.wanted(seq.generated, min(room, budget))
+            if self._drafter is None:
+                seq.draft = seq.spec.index.draft(count)
+            elif count:
+                wants.append((seq, count))
+            budget -= len(seq.draft) if self._drafter is None else count
+        if wants and self._drafter is not None:
+            drafts = self._drafter.draft(
+                [Want(s.seq_id, s, s.spec.index.tokens, n) for s, n in wants if s.spec]
+            )
+            for seq, _ in wants:
+                seq.draft = drafts[seq.seq_id]
+        return sum(len(seq.draft) for seq in active)
 
     def _apply_adapter(self, call: Call[Sequence]) -> None:
         """Set the call's adapter on the context when it is not the one applied already (the

@@ -28,6 +28,7 @@ the one that yields the most tokens per unit of work (`Speculator.length`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 # How far back acceptance is counted: each step's counts weigh this much less at the next.
 _DECAY = 0.8
@@ -51,6 +52,8 @@ class SpecSettings:
     # A draft row's work as a share of a one-row step; None: timed at load (`row_cost`). Fixed,
     # the draft lengths (and so the batch shapes and their last bits) no longer vary by run.
     row_cost: float | None = None
+    # A smaller model with the same vocabulary drafts instead of the lookup (engines/draft.py).
+    draft_model: Path | None = None
 
     @property
     def draft_rows(self) -> int:
@@ -136,11 +139,15 @@ class Speculator:
                 best, best_rate = d, rate
         return best
 
-    def propose(self, generated: int, limit: int) -> list[int]:
-        """The draft for this step (empty while paused or where nothing matches)."""
+    def wanted(self, generated: int, limit: int) -> int:
+        """How many tokens to draft this step: none while paused."""
         if self.paused(generated) or limit <= 0:
-            return []
-        return self.index.draft(min(limit, self.length()))
+            return 0
+        return min(limit, self.length())
+
+    def propose(self, generated: int, limit: int) -> list[int]:
+        """The lookup draft for this step (empty while paused or where nothing matches)."""
+        return self.index.draft(self.wanted(generated, limit))
 
     def record(self, drafted: int, accepted: int, generated: int) -> None:
         """How a draft fared: pause where drafting does not pay."""

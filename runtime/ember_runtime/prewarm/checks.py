@@ -19,9 +19,11 @@ from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
+from ember_runtime import vocabulary
 from ember_runtime.contract import reasons
 from ember_runtime.contract.config import RuntimeConfig
 from ember_runtime.contract.manifest import manifest_matches
+from ember_runtime.gguf_header import GGUFHeaderError
 from ember_runtime.prewarm.copy import PARTIAL_MARKER
 
 DEFAULT_MARGIN_BYTES = 32 << 20
@@ -181,6 +183,22 @@ def check_source_files(pf: Preflight) -> CheckResult:
             return CheckResult(name, Status.FAIL, value, reason=reasons.SIZE_MISMATCH)
     total = pf.config.total_bytes()
     return CheckResult(name, Status.OK, f"{len(pf.config.files)} files, {_mb(total)}")
+
+
+def check_draft_model(pf: Preflight) -> CheckResult:
+    """A draft model speaks the served model's vocabulary (engines/draft.py says why)."""
+    name = "draft model"
+    draft = pf.config.draft_file()
+    if draft is None:
+        return CheckResult(name, Status.OK, "none configured")
+    served = pf.config.source_file(pf.config.files[0])
+    try:
+        why = vocabulary.difference(served, pf.config.source_file(draft))
+    except (OSError, GGUFHeaderError) as err:
+        return CheckResult(name, Status.FAIL, f"cannot read {draft.path}'s vocabulary: {err}")
+    if why is not None:
+        return CheckResult(name, Status.FAIL, why, reason=reasons.DRAFT_VOCABULARY_MISMATCH)
+    return CheckResult(name, Status.OK, f"{draft.path}: the same vocabulary")
 
 
 def check_permissions(pf: Preflight) -> CheckResult:
@@ -387,6 +405,8 @@ CHECKS: tuple[Callable[[Preflight], CheckResult], ...] = (
 
 def run_checks(pf: Preflight) -> list[CheckResult]:
     results = [check(pf) for check in CHECKS]
+    if pf.config.draft_file() is not None:
+        results.insert(1, check_draft_model(pf))
     if pf.config.accelerator == "nvidia-gpu":
         results += check_gpu(pf)
     elif pf.config.accelerator == "npu":

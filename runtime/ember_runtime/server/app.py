@@ -89,7 +89,14 @@ def spec_settings(config: RuntimeConfig) -> SpecSettings | None:
     spec = config.engine.speculation
     if spec.mode == "off":
         return None
-    return SpecSettings(spec.max_draft, spec.ngram_min, spec.ngram_max, spec.sequences)
+    draft = config.draft_file()
+    return SpecSettings(
+        spec.max_draft,
+        spec.ngram_min,
+        spec.ngram_max,
+        spec.sequences,
+        draft_model=resolve_model_path(config, draft) if draft is not None else None,
+    )
 
 
 def _embedder(

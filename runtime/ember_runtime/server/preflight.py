@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ember_runtime.contract.config import RuntimeConfig
+from ember_runtime.contract.manifest import resolve_model_path
 from ember_runtime.engines.embedding import check_pooling
 from ember_runtime.memory import (
     EngineMemory,
@@ -31,7 +32,9 @@ def preflight(config: RuntimeConfig, model: Path, cgroup_root: Path) -> EngineMe
     if config.task == "embed":
         check_pooling(model, config.pooling)  # a ValueError says to set model.pooling
     shape = read_gguf_shape(model)
-    need = replica_memory(config, shape)
+    draft = config.draft_file()
+    drafter = read_gguf_shape(resolve_model_path(config, draft)) if draft is not None else None
+    need = replica_memory(config, shape, draft=drafter)
     prewarmed = config.prewarm_dir is not None and model.is_relative_to(config.prewarm_dir)
     weights = 0 if prewarmed else offload_for(config, shape.layers).split(model.stat().st_size)[0]
     check_limit(need, weights, cgroup_memory_limit(cgroup_root))
