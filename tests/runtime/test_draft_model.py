@@ -13,12 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import httpx
 import pytest
 from ember_runtime import vocabulary
 from ember_runtime.contract.config import ModelFile, RuntimeConfig
 from ember_runtime.engines.base import EngineUnavailableError, SamplingParams
+from ember_runtime.engines.draft import DraftModel, Want
+from ember_runtime.engines.llama_native import Vocab
 from ember_runtime.engines.llamacpp import LlamaCppEngine
 from ember_runtime.engines.speculative import SpecSettings
 from ember_runtime.server.app import create_app
@@ -134,3 +138,28 @@ async def test_the_server_drafts_with_the_configured_draft_model(
         live.stop()
     assert "drafts from the draft model draft.gguf" in caplog.text
     assert _metric(metrics, "ember_speculative_accepted_tokens_total") >= 8, metrics[-2000:]
+
+
+def test_a_draft_decode_that_fails_drafts_nothing_and_the_next_starts_afresh(
+    model_path: Path,
+) -> None:
+    """A draft context that cannot take a sequence's tokens (here: more than its cells) gives
+    no draft for that step instead of failing the step; the next draft starts from no cells."""
+    drafter = DraftModel(
+        model_path,
+        served=model_path,
+        sequences=1,
+        context_length=256,
+        threads=2,
+        gpu_layers=0,
+        repack=True,
+    )
+    drafter.open(cast(Vocab, SimpleNamespace(size=vocabulary.vocabulary(model_path).size)))
+    try:
+        owner = object()
+        too_long = [1000 + i for i in range(700)]
+        assert drafter.draft([Want(0, owner, too_long, 4)]) == {0: []}
+        fits = too_long[:40]
+        assert len(drafter.draft([Want(0, owner, fits, 4)])[0]) == 4
+    finally:
+        drafter.close()

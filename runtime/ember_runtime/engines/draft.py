@@ -30,6 +30,10 @@ from ember_runtime.engines.llama_native import LlamaContext, Row, Vocab
 log = logging.getLogger("ember_runtime.engines.draft")
 
 
+class _DecodeFailed(Exception):
+    pass
+
+
 @dataclass
 class Want:
     """One sequence's request for a draft: its id, its tokens so far, how many to draft."""
@@ -87,7 +91,19 @@ class DraftModel:
         return took
 
     def draft(self, wants: list[Want]) -> dict[int, list[int]]:
-        """Up to `count` greedy tokens after each sequence's tokens, by seq id."""
+        """Up to `count` greedy tokens after each sequence's tokens, by seq id; none for any
+        when a draft decode fails (its context full): drafts are an optimisation, and the step
+        goes on without them, its cells cleared for a fresh start."""
+        try:
+            return self._draft(wants)
+        except _DecodeFailed as err:
+            log.warning("draft model: %s; this step drafts nothing", err)
+            for w in wants:
+                self._ctx.forget(w.seq_id)
+                self._held.pop(w.seq_id, None)
+            return {w.seq_id: [] for w in wants}
+
+    def _draft(self, wants: list[Want]) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {w.seq_id: [] for w in wants}
         self._catch_up(wants, out)
         live = list(wants)
@@ -106,8 +122,8 @@ class DraftModel:
 
     def _catch_up(self, wants: list[Want], out: dict[int, list[int]]) -> None:
         """Decode what each sequence's cells lack, its last token with logits: its first draft
-        token. Rows go in calls of `DRAFT_BATCH_TOKENS`; a row's logits are read right after
-        its call."""
+        token. Rows go in calls of `DRAFT_BATCH_TOKENS` (fewer where the context has fewer
+        cells); a row's logits are read right after its call."""
         pending: list[Row] = []
         for w in wants:
             owner, held = self._held.get(w.seq_id, (None, 0))
@@ -119,8 +135,9 @@ class DraftModel:
                 self._ctx.forget(w.seq_id, held)
             last = len(w.tokens) - 1
             pending += [(w.tokens[p], p, w.seq_id, p == last) for p in range(held, len(w.tokens))]
-        for start in range(0, len(pending), DRAFT_BATCH_TOKENS):
-            chunk = pending[start : start + DRAFT_BATCH_TOKENS]
+        width = self._ctx.batch_limit()
+        for start in range(0, len(pending), width):
+            chunk = pending[start : start + width]
             self._decode(chunk)
             for i, (_, _, sid, last) in enumerate(chunk):
                 if last:
@@ -128,7 +145,8 @@ class DraftModel:
 
     def _decode(self, rows: list[Row]) -> None:
         self._ctx.fill(rows)
-        self._ctx.decode_or_fail("draft")
+        if (rc := self._ctx.decode()) != 0:
+            raise _DecodeFailed(f"llama_decode returned {rc} for {len(rows)} rows")
 
     def _greedy(self, row: int) -> int:
         """The most likely next token after the last decode's `row`th row (batch index)."""

@@ -297,6 +297,11 @@ class LlamaContext:
     def fill(self, rows: Sequence[Row]) -> None:
         fill_batch(self.batch, rows)
 
+    def batch_limit(self) -> int:
+        """Rows one decode may take: the batch asked for, or fewer where llama.cpp capped it
+        (at the context's cells)."""
+        return min(self._batch_tokens, int(self.ll.llama_n_batch(self.ctx)))
+
     def decode(self) -> int:
         """`llama_decode` over the batch as filled; llama.cpp's status (0: done)."""
         return int(self.ll.llama_decode(self.ctx, self.batch))
