@@ -685,12 +685,12 @@ class LlamaCppEngine(NativeLoop):
                 continue
             done = seq.prefilled + seq.generated  # the cells in use after this step's row
             room = min(seq.params.max_tokens - seq.generated - 1, self.info.context_length - done)
-            count = seq.spec.wanted(seq.generated, min(room, budget))
-            if self._drafter is None:
-                seq.draft = seq.spec.index.draft(count)
-            elif count:
-                wants.append((seq, count))
-            budget -= len(seq.draft) if self._drafter is None else count
+            if self._drafter is None:  # a lookup: its length is known now
+                seq.draft = seq.spec.propose(seq.generated, min(room, budget))
+                budget -= len(seq.draft)
+            elif count := seq.spec.wanted(seq.generated, min(room, budget)):
+                wants.append((seq, count))  # the draft model's, for all of them at once
+                budget -= count
         if wants and self._drafter is not None:
             drafts = self._drafter.draft(
                 [Want(s.seq_id, s, s.spec.index.tokens, n) for s, n in wants if s.spec]
