@@ -107,8 +107,13 @@ def test_a_two_site_rollout_passes_wave_by_wave(
         timeout=60,
     )
     assert _site_revisions(kube, namespace, "roll")["site-1"] == first
-    status = _rollout(kube, namespace, "roll")
-    assert status["updateRevision"] == second and status["currentWave"] == "canary"
+    # The operator writes status after it applies the sites: a moment after the canary moved.
+    status = wait_for(
+        "the new revision in status",
+        lambda: (s := _rollout(kube, namespace, "roll"))["updateRevision"] == second and s,
+        timeout=30,
+    )
+    assert status["currentWave"] == "canary"
     row = kube.kubectl("-n", namespace, "get", "infd", "roll").splitlines()[1]
     assert "canary" in row, row  # the ROLLOUT column
     assert check_object(_infd(kube, namespace, "roll")) == ("InProgress", "Progressing")
