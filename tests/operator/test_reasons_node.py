@@ -83,6 +83,20 @@ def _warnings(kube: Kube, namespace: str, name: str, reason: str) -> list[dict[s
     return [e for e in events if e["type"] == "Warning" and e["reason"] == reason]
 
 
+def _degraded_with(kube: Kube, namespace: str, name: str, reason: str) -> dict[str, Any]:
+    """Wait until `kubectl get infd` shows `reason` in its STATUS column; the object's Degraded
+    condition, which must carry the same reason."""
+
+    def status_column() -> dict[str, str] | None:
+        cols = table_columns(kube.kubectl("get", "infd", name, "-n", namespace))
+        return cols if cols["STATUS"] == reason else None
+
+    wait_for(f"STATUS {reason}", status_column, timeout=240, interval=1)
+    degraded = rest.true_condition(kube.api, namespace, name, "Degraded")
+    assert degraded is not None and degraded["reason"] == reason, degraded
+    return degraded
+
+
 def test_corrupted_model_byte_shows_checksum_mismatch(
     kube: Kube,
     namespace: str,
@@ -92,14 +106,7 @@ def test_corrupted_model_byte_shows_checksum_mismatch(
 ) -> None:
     model_dir, size, got = corrupted_copy
     rest.create(kube.api, "infd", namespace, _infd(runtime_image, "corrupt", model_dir, size))
-
-    def status_column() -> dict[str, str] | None:
-        cols = table_columns(kube.kubectl("get", "infd", "corrupt", "-n", namespace))
-        return cols if cols["STATUS"] == "ChecksumMismatch" else None
-
-    wait_for("STATUS ChecksumMismatch", status_column, timeout=240, interval=1)
-    degraded = rest.true_condition(kube.api, namespace, "corrupt", "Degraded")
-    assert degraded is not None and degraded["reason"] == "ChecksumMismatch"
+    degraded = _degraded_with(kube, namespace, "corrupt", "ChecksumMismatch")
     detail = f"{MODEL_FILENAME} expected {MODEL_SHA256[:12]}… got {got[:12]}…"
     assert degraded["message"].endswith(detail), degraded
     described = kube.kubectl("describe", "infd", "corrupt", "-n", namespace)
@@ -136,14 +143,7 @@ def test_a_draft_model_of_another_vocabulary_shows_draft_vocabulary_mismatch(
     obj["spec"]["model"]["files"].append({"path": "draft.gguf", "sha256": sha, "sizeBytes": size})
     obj["spec"]["engine"] = {"draftModel": "draft.gguf"}
     rest.create(kube.api, "infd", namespace, obj)
-
-    def status_column() -> dict[str, str] | None:
-        cols = table_columns(kube.kubectl("get", "infd", "drafted", "-n", namespace))
-        return cols if cols["STATUS"] == "DraftVocabularyMismatch" else None
-
-    wait_for("STATUS DraftVocabularyMismatch", status_column, timeout=240, interval=1)
-    degraded = rest.true_condition(kube.api, namespace, "drafted", "Degraded")
-    assert degraded is not None and degraded["reason"] == "DraftVocabularyMismatch"
+    degraded = _degraded_with(kube, namespace, "drafted", "DraftVocabularyMismatch")
     detail = f"draft.gguf has another vocabulary than {MODEL_FILENAME}: vocabulary size 10"
     assert detail in degraded["message"], degraded
 

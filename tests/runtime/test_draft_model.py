@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +19,7 @@ import httpx
 import pytest
 from ember_runtime import vocabulary
 from ember_runtime.contract.config import ModelFile, RuntimeConfig
-from ember_runtime.engines.base import EngineUnavailableError, SamplingParams
+from ember_runtime.engines.base import EngineUnavailableError
 from ember_runtime.engines.draft import DraftModel, Want
 from ember_runtime.engines.llama_native import Vocab
 from ember_runtime.engines.llamacpp import LlamaCppEngine
@@ -35,8 +34,7 @@ from tests.runtime.test_speculative_model import (
     Drafts,
     _metric,
     running,
-    same_up_to_noise,
-    tokens,
+    same_with_and_without_drafts,
 )
 from tests.support.vocab_gguf import OTHER_TOKENS, write_vocab_gguf
 
@@ -63,16 +61,7 @@ async def test_a_draft_model_drafts_and_the_greedy_text_is_unchanged(model_path:
     drafts = Drafts()
     settings = SpecSettings(row_cost=ROW_COST, draft_model=model_path)
     async with running(model_path, drafts, speculation=settings) as engine:
-        prompts = [engine.tokenize(t, add_special=True) for t in WORKLOADS["distinct-chat"]]
-        plain = SamplingParams(max_tokens=TOKENS, logprobs=2, speculative=False)
-        alone = [await tokens(engine, prompt, plain) for prompt in prompts]
-        await asyncio.sleep(0.5)  # the last step's observer runs after its tokens are out
-        assert drafts.drafted == 0, "a request that asked for no drafts drafted"
-        params = SamplingParams(max_tokens=TOKENS, logprobs=2)
-        drafted = [await tokens(engine, prompt, params) for prompt in prompts]
-        await asyncio.sleep(0.5)
-    for before, after in zip(alone, drafted, strict=True):
-        same_up_to_noise(before, after)
+        await same_with_and_without_drafts(engine, WORKLOADS["distinct-chat"], drafts)
     # The same model drafting: a draft token is lost only where the two contexts' last bits
     # reorder a near-tie. The lookup keeps far fewer on these prompts.
     assert drafts.drafted >= TOKENS and drafts.accepted >= 0.8 * drafts.drafted, (

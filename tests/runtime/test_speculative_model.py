@@ -124,6 +124,23 @@ def same_up_to_noise(before: list[Token], after: list[Token]) -> None:
         assert best - other < TIE, (same, before[same], after[same])
 
 
+async def same_with_and_without_drafts(
+    engine: LlamaCppEngine, texts: list[str], drafts: Drafts
+) -> None:
+    """Each text's greedy tokens with `speculative: false` (none drafted), then with drafts:
+    the same up to noise (`same_up_to_noise`); `drafts` holds the drafted pass's counts."""
+    prompts = [engine.tokenize(text, add_special=True) for text in texts]
+    plain = SamplingParams(max_tokens=TOKENS, logprobs=2, speculative=False)
+    alone = [await tokens(engine, prompt, plain) for prompt in prompts]
+    await asyncio.sleep(0.5)  # the last step's observer runs after its tokens are out
+    assert drafts.drafted == 0, "a request that asked for no drafts drafted"
+    params = SamplingParams(max_tokens=TOKENS, logprobs=2)
+    drafted = [await tokens(engine, prompt, params) for prompt in prompts]
+    await asyncio.sleep(0.5)
+    for before, after in zip(alone, drafted, strict=True):
+        same_up_to_noise(before, after)
+
+
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 async def test_greedy_text_is_the_same_with_and_without_speculation(
     model_path: Path, workload: str
@@ -135,15 +152,7 @@ async def test_greedy_text_is_the_same_with_and_without_speculation(
     first; a wrong row or a stale cell shows up as a different token with a clear winner."""
     drafts = Drafts()
     async with running(model_path, drafts) as engine:
-        prompts = [engine.tokenize(text, add_special=True) for text in WORKLOADS[workload]]
-        plain = SamplingParams(max_tokens=TOKENS, logprobs=2, speculative=False)
-        alone = [await tokens(engine, prompt, plain) for prompt in prompts]
-        await asyncio.sleep(0.5)  # the last step's observer runs after its tokens are out
-        assert drafts.drafted == 0, "a request that asked for no drafts drafted"
-        params = SamplingParams(max_tokens=TOKENS, logprobs=2)
-        drafted = [await tokens(engine, prompt, params) for prompt in prompts]
-    for before, after in zip(alone, drafted, strict=True):
-        same_up_to_noise(before, after)
+        await same_with_and_without_drafts(engine, WORKLOADS[workload], drafts)
     if workload != "distinct-chat":  # prompts that the reply repeats: drafts were kept
         assert drafts.accepted > 0, (drafts.drafted, drafts.accepted)
 
