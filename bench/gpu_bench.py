@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -113,7 +114,7 @@ from bench.runtime_bench import (
 )
 from tests.support.net import free_port
 
-LEVELS = (8, 32, 64)
+LEVELS: tuple[int, ...] = (8, 32, 64)
 # Ember's engine.deviceSampling is `auto`: every layer offloaded, so each request's chain runs
 # in llama_decode on the GPU (engines/device_sampling.py).
 EMBER_WHERE = ", its sampler chain on the GPU (engine.deviceSampling auto)"
@@ -128,7 +129,10 @@ WORKLOADS = ("distinct/greedy", "distinct/sampled", "distinct/client-defaults")
 EMBER = "ember"
 PEER = "llama-server"
 PEER_BS = "llama-server --backend-sampling"
-PEERS = (PEER, PEER_BS)
+# Its n-gram speculation (issue 48), host sampling: the pinned build's speculative path.
+SPEC_FLAGS = ("--spec-type", "ngram-simple")
+PEER_SPEC = "llama-server " + " ".join(SPEC_FLAGS)
+PEERS = (PEER, PEER_BS, PEER_SPEC)
 # The reading repeated through the call (before every workload, and at its end): plain
 # llama-server, greedy, 32 clients, the cell three calls once read as 992, 1,017 and 1,541.
 BASELINE = (PEER, "distinct/greedy", 32)
@@ -238,15 +242,18 @@ def llama_server_flags(slots: int) -> list[str]:
     ]  # fmt: skip
 
 
-def llama_server(binary: Path, model: Path, slots: int, backend_sampling: bool = False) -> Server:
-    """`backend_sampling`: its sampler chain runs on the GPU, in the decode's graph
-    (`--backend-sampling`, experimental in this build), instead of on the CPU after it."""
+def llama_server(binary: Path, model: Path, slots: int, name: str = PEER) -> Server:
+    """`name` picks the configuration: PEER_BS runs its sampler chain on the GPU, in the
+    decode's graph (`--backend-sampling`, experimental in this build), instead of on the CPU
+    after it; PEER_SPEC drafts from n-grams of the prompt and the text so far."""
     port = free_port()
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     argv += [*llama_server_flags(slots), "--log-disable"]
-    if backend_sampling:
+    if name == PEER_BS:
         argv.append("--backend-sampling")
-    return Server(PEER_BS if backend_sampling else PEER, argv, port)
+    elif name == PEER_SPEC:
+        argv += SPEC_FLAGS
+    return Server(name, argv, port)
 
 
 class Fleet:
@@ -257,8 +264,7 @@ class Fleet:
         self.work = work
         self.makers: dict[str, Callable[[], Server]] = {
             EMBER: lambda: ember_server(model, slots, work, None),
-            PEER: lambda: llama_server(binary, model, slots),
-            PEER_BS: lambda: llama_server(binary, model, slots, backend_sampling=True),
+            **{name: functools.partial(llama_server, binary, model, slots, name) for name in PEERS},
         }
         self.up: dict[str, Server] = {}
         self.load_seconds: dict[str, float] = {}
@@ -573,6 +579,7 @@ def servers_of(call: Call, fleet: Fleet) -> list[Server]:
     """Ember and both llama-server configurations (the peer at its best is chosen per level
     from their readings); a configuration that does not start is skipped, not fatal."""
     names = [EMBER, PEER, *([PEER_BS] if call.args.backend_sampling else [])]
+    names += [PEER_SPEC] if call.args.spec_peer else []
     up = []
     for name in names:
         try:
@@ -1212,6 +1219,8 @@ def parse_args() -> argparse.Namespace:
         default=True,
         help="run llama-server --backend-sampling too: the peer at its best per level",
     )
+    ap.add_argument("--spec-peer", action="store_true", help=f"also {PEER_SPEC}")
+    ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="clients per level")
     ap.add_argument("--skip-thermal", action="store_true", help="no thermal governor run")
     ap.add_argument("--skip-diagnose", action="store_true", help="no prewarm diagnose")
     ap.add_argument("--thermal-margin", dest="margin", type=float, default=4.0)
@@ -1222,6 +1231,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    global LEVELS  # noqa: PLW0603 -- one call's levels: every table and plot reads them
+    LEVELS = tuple(int(c) for c in args.levels.split(","))
     workloads = [w if "/" in w else f"{w}/greedy" for w in args.workloads.split(",") if w]
     for workload in workloads:
         shape, _, mode = workload.partition("/")

@@ -12,6 +12,7 @@ from ember_runtime.engines.speculative import (
     NgramIndex,
     SpecSettings,
     Speculator,
+    shared_cost,
 )
 
 
@@ -115,6 +116,23 @@ def test_the_draft_length_pays_best_at_this_acceptance_and_row_cost() -> None:
     assert lengths == sorted(lengths)
     costs = [_with_history(9, c).length() for c in (0.02, 0.1, 0.25, 0.5)]
     assert costs == sorted(costs, reverse=True)
+
+
+def test_a_draft_that_pays_alone_pauses_in_a_shared_step() -> None:
+    """Beside other streams a sequence's own token is cheaper, a draft row is not: a third of
+    the draft tokens it reaches kept pays alone (row cost 0.15), not beside three others (41 %)."""
+    assert shared_cost(0.15, 1) == pytest.approx(0.15)
+    assert shared_cost(0.15, 4) == pytest.approx(0.6 / 1.45)
+    costs = [shared_cost(0.15, n) for n in (1, 2, 4, 16, 64)]
+    assert costs == sorted(costs) and costs[-1] < 1.0
+    verdicts = {}
+    for sequences in (1, 4):
+        spec = Speculator([1, 2, 3, 1, 2, 3, 1, 2, 3], SpecSettings(max_draft=3), cost=0.15)
+        for generated in range(12):  # one token kept, then none: a third of those reached
+            if spec.propose(generated, 3, sequences):
+                spec.record(3, 1 - generated % 2, generated)
+        verdicts[sequences] = spec.pauses
+    assert verdicts == {1: 0, 4: 1}
 
 
 def test_drafts_that_are_kept_grow_long() -> None:

@@ -678,6 +678,7 @@ class LlamaCppEngine(NativeLoop):
         if spec is None:
             return 0
         budget = spec.draft_rows
+        decoding = sum(s.prefilled >= s.prompt_len for s in active)
         start = self._steps % len(active) if active else 0
         wants: list[tuple[Sequence, int]] = []
         for seq in active[start:] + active[:start]:
@@ -686,9 +687,9 @@ class LlamaCppEngine(NativeLoop):
             done = seq.prefilled + seq.generated  # the cells in use after this step's row
             room = min(seq.params.max_tokens - seq.generated - 1, self.info.context_length - done)
             if self._drafter is None:  # a lookup: its length is known now
-                seq.draft = seq.spec.propose(seq.generated, min(room, budget))
+                seq.draft = seq.spec.propose(seq.generated, min(room, budget), decoding)
                 budget -= len(seq.draft)
-            elif count := seq.spec.wanted(seq.generated, min(room, budget)):
+            elif count := seq.spec.wanted(seq.generated, min(room, budget), decoding):
                 wants.append((seq, count))  # the draft model's, for all of them at once
                 budget -= count
         if wants and self._drafter is not None:
