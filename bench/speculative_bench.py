@@ -93,8 +93,12 @@ def body(workload: str, index: int, serial: str) -> dict[str, object]:
     }
 
 
-async def run_level(server: Server, workload: str, clients: int, repeat: int) -> Row:
-    per_client = 3 if clients == 1 else 2
+async def run_level(
+    server: Server, workload: str, clients: int, repeat: int, per_client: int | None = None
+) -> Row:
+    """Each of `clients` sends `per_client` requests back to back (default 3 alone, else 2)."""
+    if per_client is None:
+        per_client = 3 if clients == 1 else 2
     stats: list[RequestStats] = []
     failures: list[str] = []
     async with httpx.AsyncClient(base_url=server.base, timeout=900) as client:
@@ -277,7 +281,8 @@ def report(summary: dict[str, Any]) -> str:
             f"{summary['repeats']} repeats, interleaved; load average before "
             f"{'/'.join(f'{x:.2f}' for x in b)}, after {'/'.join(f'{x:.2f}' for x in a)}; "
             f"{summary['cpu_stolen_s']:.1f} CPU-seconds stolen; wall "
-            f"{summary['wall_s'] / 60:.0f} min; commit {summary['commit']})",
+            f"{summary['wall_s'] / 60:.0f} min; commit {summary['commit']})"
+            + (f". **{summary['stopped']}**" if summary.get("stopped") else ""),
             "",
             "Cells: median (min-max) over repeats. Ratios are paired within a repeat; a goal is "
             "judged on their median. Max tokens: "
@@ -348,6 +353,7 @@ def main() -> None:
     p.add_argument("--lock", default="/tmp/ember-cpu.lock")
     p.add_argument("--name", default="speculative")
     p.add_argument("--replot", type=Path)
+    p.add_argument("--per-client", type=int, help="requests per client (3 alone, else 2)")
     args = p.parse_args()
     if args.replot:
         return write(json.loads(args.replot.read_text()), args.name)
@@ -361,6 +367,7 @@ def main() -> None:
     started: list[Server] = []
     rows: list[Row] = []
     bracket: dict[int, list[float]] = {}
+    stopped = ""
     try:
         specs = [s for s in args.peer_spec.split(",") if s]
         for server in servers(model, args.threads, specs, args.ablation):
@@ -377,7 +384,8 @@ def main() -> None:
                                 bracket.setdefault(repeat, []).append(
                                     raw_decode_speed(model, args.threads, 64, repack=True)
                                 )
-                            row = asyncio.run(run_level(server, workload, clients, repeat))
+                            level = run_level(server, workload, clients, repeat, args.per_client)
+                            row = asyncio.run(level)
                             if near:
                                 bracket[repeat].append(
                                     raw_decode_speed(model, args.threads, 64, repack=True)
@@ -385,12 +393,15 @@ def main() -> None:
                             print(json.dumps(asdict(row)), flush=True)
                             rows.append(row)
                         step = (step + 1) % len(started)
+    except (SystemExit, KeyboardInterrupt) as exc:  # SIGTERM or ^C: keep the rows measured
+        stopped = f"stopped early ({type(exc).__name__}) after {len(rows)} rows"
     finally:
         for server in started:
             server.stop()
     write(
         {
             "command": "python bench/speculative_bench.py " + " ".join(sys.argv[1:]),
+            "stopped": stopped,
             "commit": git_commit(),
             "cpu": cpu_model(),
             "cpus": os.cpu_count(),
