@@ -23,8 +23,8 @@ Where it does not pay it turns itself off: each extra row costs `row_cost` of a 
 of its tokens are kept. In a step of n decoding sequences the bar is higher (`shared_cost`): a
 step of n rows costs 1 + c(n - 1) one-row steps, so each sequence's own token costs
 (1 + c(n - 1)) / n of them while a draft row still costs c; a draft row that keeps less than
-c n / (1 + c(n - 1)) of a token slows the batch more than it gives (on 2 CPU cores, c = 0.15:
-15 % alone, 41 % at 4 sequences). A sequence whose recent acceptance falls below that pauses
+c n / (1 + c(n - 1)) of a token slows the batch more than it gives (at c = 0.15: 15 % alone,
+41 % at 4 sequences). A sequence whose recent acceptance falls below that pauses
 drafting for a while (longer after each pause that did not help) and tries again. Above it,
 the draft's length is the one that yields the most tokens per unit of work (`Speculator.length`).
 """
