@@ -112,13 +112,12 @@ class Speculator:
     nearly everything or rows are cheap, as on a GPU; short ones where it misses)."""
 
     __slots__ = (
-        "_cost",
-        "_floor",
         "_kept",
         "_pause",
         "_reached",
         "_resume_at",
         "_row_cost",
+        "_sequences",
         "_settings",
         "accepted",
         "drafted",
@@ -130,8 +129,7 @@ class Speculator:
         self.index = NgramIndex(tokens, settings.ngram_min, settings.ngram_max)
         self._settings = settings
         self._row_cost = cost  # one draft row's work, as a share of a one-row step's
-        self._cost = self._floor = 0.0
-        self._share(1)
+        self._sequences = 1  # decoding sequences in the step last drafted for: prices its rows
         self._kept, self._reached = _PRIOR, 1.0
         self._pause = PAUSE_TOKENS
         self._resume_at = 0  # generated-token count at which drafting may start again
@@ -143,23 +141,28 @@ class Speculator:
 
     def length(self) -> int:
         """The draft length that yields the most tokens per unit of work at this acceptance."""
-        a = min(self.acceptance, 0.999)
+        a, cost = min(self.acceptance, 0.999), self._cost
         best, best_rate = 1, 0.0
         for d in range(1, self._settings.max_draft + 1):
-            rate = (1 - a ** (d + 1)) / (1 - a) / (1 + self._cost * d)
+            rate = (1 - a ** (d + 1)) / (1 - a) / (1 + cost * d)
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
 
-    def _share(self, sequences: int) -> None:
-        """Price this step's draft rows for a step shared by `sequences` decoding sequences."""
-        self._cost = shared_cost(self._row_cost, sequences)
-        self._floor = min(max(self._cost, FLOOR_BOUNDS[0]), FLOOR_BOUNDS[1])
+    @property
+    def _cost(self) -> float:
+        """A draft row's price in the step last drafted for (`shared_cost`)."""
+        return shared_cost(self._row_cost, self._sequences)
+
+    @property
+    def _floor(self) -> float:
+        """The acceptance below which drafting pauses: the row's price, within bounds."""
+        return min(max(self._cost, FLOOR_BOUNDS[0]), FLOOR_BOUNDS[1])
 
     def wanted(self, generated: int, limit: int, sequences: int = 1) -> int:
         """How many tokens to draft this step, beside `sequences` decoding sequences in all:
         none while paused."""
-        self._share(sequences)
+        self._sequences = sequences
         if self.paused(generated) or limit <= 0:
             return 0
         return min(limit, self.length())
