@@ -72,6 +72,20 @@ MAX_TOKENS = {"chat": 64, "code-edit": 128, "rag": 96, "summary": 64}
 # in a one-repeat trial on code edit and RAG (ngram-map-k: 15.4 against 40.5 decode tok/s on
 # RAG); `--peer-spec ngram-simple,ngram-map-k` runs both.
 PEER_SPECS = ["ngram-simple"]
+# Sampling modes: runtime_bench's three (what users send), and one opt-in mode that sends
+# llama-server's own filters explicitly, so both servers sample one distribution: "sampled"
+# differs by the top_k 40 and min_p 0.05 that llama-server adds, which change what is drawn
+# and so how long a reply runs before its end token (RAG sampled at 1 client, full run:
+# Ember's replies ran 197-288 tokens of 288, llama-server's all 288; with a 1,540-token
+# prompt, a shorter reply is fewer tokens per second of the same prefill).
+MODES: dict[str, dict[str, object]] = {
+    **SAMPLING,
+    "sampled-filtered": {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05},
+}
+FILTERED = "temperature 0.8, top_p 0.95, top_k 40, min_p 0.05 (all sent)"
+SAMPLED_AS = {
+    server: {**modes, "sampled-filtered": FILTERED} for server, modes in SAMPLED_WITH.items()
+}
 
 
 @dataclass
@@ -87,7 +101,7 @@ def body(workload: str, index: int, serial: str) -> dict[str, object]:
     return {
         "prompt": f"Request {serial}.{index}. {prompts[index % len(prompts)]}",
         "max_tokens": MAX_TOKENS[shape],
-        **SAMPLING[mode],
+        **MODES[mode],
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -222,9 +236,8 @@ def verdicts(rows: list[Row], raw: dict[int, float]) -> list[str]:
         for clients in sorted({r.clients for r in rows}):
             key = ("ember", workload, clients)
             head = f"{workload}, {clients} client(s)"
-            notes.append(
-                judged(f"{head}: tok/s", ratio(keyed, key, peers, "tok_s", True), ">=", 1.0)
-            )
+            speed = ratio(keyed, key, peers, "tok_s", True)
+            notes.append(judged(f"{head}: tok/s", speed, ">=", 1.0) + lengths(keyed, key, speed))
             notes.append(
                 judged(f"{head}: TTFT p99", ratio(keyed, key, peers, "ttft_p99", False), "<=", 1.0)
             )
@@ -248,11 +261,26 @@ def verdicts(rows: list[Row], raw: dict[int, float]) -> list[str]:
     return notes
 
 
+def lengths(
+    keyed: dict[Key, dict[int, Row]], ours: Key, found: tuple[str, list[float]] | None
+) -> str:
+    """A note where Ember's replies and the peer's differ in length by more than 5 %: tok/s
+    then spreads the same prompt's prefill over a different number of tokens."""
+    if found is None or ours not in keyed:
+        return ""
+    peer = (found[0], *ours[1:])
+    mine = median([r.tokens for r in keyed[ours].values()])
+    theirs = median([r.tokens for r in keyed.get(peer, {}).values()])
+    if not theirs or abs(mine / theirs - 1) <= 0.05:
+        return ""
+    return f" (replies of different length: Ember {mine:.0f} tokens, the peer {theirs:.0f})"
+
+
 def table(rows: list[Row]) -> str:
     lines = [
-        "| server | workload | clients | requests x repeats | tok/s | decode tok/s | TTFT p50 (s) "
-        "| TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | workload | clients | requests x repeats | tokens | tok/s | decode tok/s "
+        "| TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (server, workload, clients), reps in by_key(rows).items():
         rs = list(reps.values())
@@ -262,7 +290,8 @@ def table(rows: list[Row]) -> str:
 
         lines.append(
             f"| {server} | {workload} | {clients} | {rs[0].requests} x {len(rs)} "
-            f"| {cell('tok_s', '{:.1f}')} | {cell('decode_tok_s', '{:.1f}')} "
+            f"| {cell('tokens', '{:.0f}')} | {cell('tok_s', '{:.1f}')} "
+            f"| {cell('decode_tok_s', '{:.1f}')} "
             f"| {cell('ttft_p50', '{:.3f}')} | {cell('ttft_p99', '{:.3f}')} "
             f"| {cell('itl_p50', '{:.1f}', 1e3)} | {cell('itl_p99', '{:.1f}', 1e3)} "
             f"| {sum(r.errors for r in rs)} |"
@@ -289,9 +318,8 @@ def report(summary: dict[str, Any]) -> str:
             + ", ".join(f"{k} {v}" for k, v in MAX_TOKENS.items())
             + ". Sampling (the same body to every server): "
             + "; ".join(
-                f"{m}: Ember {SAMPLED_WITH['ember'][m]}, llama-server "
-                f"{SAMPLED_WITH['llama-server'][m]}"
-                for m in SAMPLING
+                f"{m}: Ember {SAMPLED_AS['ember'][m]}, llama-server {SAMPLED_AS['llama-server'][m]}"
+                for m in dict.fromkeys(r.workload.partition("/")[2] for r in rows)
             ),
             "",
             table(rows),
@@ -347,7 +375,7 @@ def main() -> None:
     p.add_argument("--clients", default="1,4")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workloads", default="chat,code-edit,rag,summary")
-    p.add_argument("--sampling", default=",".join(SAMPLING))
+    p.add_argument("--sampling", default=",".join(SAMPLING), help=f"of {', '.join(MODES)}")
     p.add_argument("--peer-spec", default=",".join(PEER_SPECS))
     p.add_argument("--ablation", action="store_true", help="also Ember with speculation off")
     p.add_argument("--lock", default="/tmp/ember-cpu.lock")
