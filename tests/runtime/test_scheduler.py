@@ -74,6 +74,25 @@ def test_burst_of_prompts_shares_the_budget_in_arrival_order() -> None:
     ]
 
 
+def test_one_sequence_takes_at_most_a_chunk_and_the_budget_goes_to_the_next() -> None:
+    # A long prompt in one call pays attention over the masked half of its cells: it goes in
+    # chunks, while a short prompt behind it still starts in the same step.
+    long, short = Seq("long", 700), Seq("short", 40)
+    steps = run_prompts([long, short], Policy(step_tokens=1024, chunk_tokens=256))
+    assert steps == [
+        [("long", 0, 256), ("short", 0, 40)],
+        [("long", 256, 256)],
+        [("long", 512, 188)],
+    ]
+    # No tail step of a few tokens: up to half a chunk more goes in the last chunk.
+    assert run_prompts([Seq("summary", 300)], Policy(chunk_tokens=256)) == [[("summary", 0, 300)]]
+    assert run_prompts([Seq("edit", 800)], Policy(chunk_tokens=256)) == [
+        [("edit", 0, 256)],
+        [("edit", 256, 256)],
+        [("edit", 512, 288)],
+    ]
+
+
 def test_prefix_reuse_starts_mid_prompt() -> None:
     (call,) = plan_step([Seq("x", 300, 290)], Policy())
     assert layout([call]) == [([], [("x", 290, 10)])]
@@ -127,3 +146,5 @@ def test_lowered_limit_pauses_the_newest() -> None:
 def test_policy_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         Policy(step_tokens=0)
+    with pytest.raises(ValueError):
+        Policy(chunk_tokens=0)

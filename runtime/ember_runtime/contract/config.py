@@ -105,6 +105,15 @@ def fetch_from_spec(model: Any) -> ModelFetch | None:
 # llama-server's 1.21 s at 16 clients; 1.13 s at 1024, in runs of bench/runtime_bench.py with
 # `--servers ember:stepTokens=...` at 32 requests; the default's full run is in bench/results).
 DEFAULT_STEP_TOKENS = 1024
+# Prompt tokens of one sequence per step (fast mode), inside the step's budget; a tail of up
+# to half a chunk more goes with the last chunk (engines/scheduler). Why a cap: one call of n
+# prompt tokens attends over every cell it reaches, the masked half included, so a 1,540-token
+# prompt cut at 1024 costs more attention than one cut at 256 (a trial on a lone RAG prompt:
+# 1.04x llama-server's time to the first token at 1024, 0.98x at 256). And a burst of long
+# prompts shares each step's budget, so they reach their first tokens together, as
+# llama-server's waves do, instead of the first streams decoding through the others'
+# prefill. The measurement: bench/results/prefill_chunk.md.
+DEFAULT_CHUNK_TOKENS = 256
 # A draft model's batch (engines/draft.py): the rows of one catch-up decode, sized into memory.
 DRAFT_BATCH_TOKENS = 512
 # llama.cpp offloads min(n_gpu_layers, layers + 1): any count above every model's depth is "all".
@@ -193,6 +202,12 @@ class EngineConfig(Wire):
         ge=16,
         le=4096,
         description="Prompt tokens per scheduling step beside the decodes (engines/scheduler).",
+    )
+    chunk_tokens: int = Field(
+        default=DEFAULT_CHUNK_TOKENS,
+        ge=16,
+        le=4096,
+        description="Prompt tokens of one sequence per step, within stepTokens (fast mode).",
     )
     kv_unified: bool | None = Field(
         default=None,

@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from ember_runtime.contract.config import DEFAULT_STEP_TOKENS, unified_kv
+from ember_runtime.contract.config import DEFAULT_CHUNK_TOKENS, DEFAULT_STEP_TOKENS, unified_kv
 from ember_runtime.engines import adapters, device_sampling, sampling
 from ember_runtime.engines.adapters import AdapterSpec, LoadedAdapter, file_mark
 from ember_runtime.engines.base import (
@@ -90,6 +90,7 @@ from ember_runtime.engines.scheduler import (
     Call,
     Policy,
     admissible,
+    decoding,
     plan_step,
     queued,
     split_active,
@@ -127,6 +128,7 @@ class LlamaCppEngine(NativeLoop):
         max_queue: int,
         model_id: str | None = None,
         step_tokens: int = DEFAULT_STEP_TOKENS,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         deterministic: bool = False,
         prefix_cache: bool | None = None,
         repack: bool | None = None,
@@ -200,7 +202,9 @@ class LlamaCppEngine(NativeLoop):
         self._slots = Slots(
             self._native, capacity, prefix_cache=self._prefix_cache, unified=unified
         )
-        self._policy = Policy(deterministic=deterministic, step_tokens=step_tokens)
+        self._policy = Policy(
+            deterministic=deterministic, step_tokens=step_tokens, chunk_tokens=chunk_tokens
+        )
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -678,18 +682,18 @@ class LlamaCppEngine(NativeLoop):
         if spec is None:
             return 0
         budget = spec.draft_rows
-        decoding = sum(s.prefilled >= s.prompt_len for s in active)
+        sharing = sum(decoding(s) for s in active)
         start = self._steps % len(active) if active else 0
         wants: list[tuple[Sequence, int]] = []
         for seq in active[start:] + active[:start]:
-            if seq.spec is None or seq.prefilled < seq.prompt_len:
+            if seq.spec is None or not decoding(seq):
                 continue
             done = seq.prefilled + seq.generated  # the cells in use after this step's row
             room = min(seq.params.max_tokens - seq.generated - 1, self.info.context_length - done)
             if self._drafter is None:  # a lookup: its length is known now
-                seq.draft = seq.spec.propose(seq.generated, min(room, budget), decoding)
+                seq.draft = seq.spec.propose(seq.generated, min(room, budget), sharing)
                 budget -= len(seq.draft)
-            elif count := seq.spec.wanted(seq.generated, min(room, budget), decoding):
+            elif count := seq.spec.wanted(seq.generated, min(room, budget), sharing):
                 wants.append((seq, count))  # the draft model's, for all of them at once
                 budget -= count
         if wants and self._drafter is not None:

@@ -13,7 +13,9 @@ The rules, and why:
 * **Admission.** A waiting request joins as soon as a sequence slot is free and the batch
   limit allows it, at the start of the very next step (no waiting for a "wave" to finish).
 * **Fast mode (default): one call per step**, as llama-server does: one row for every
-  decoding sequence, then prompt chunks in arrival order within `step_tokens` prompt tokens.
+  decoding sequence, then prompt chunks in arrival order within `step_tokens` prompt tokens,
+  each sequence's chunk at most `chunk_tokens` (a long prompt in one call pays attention over
+  the masked half of its own cells: contract/config.py has the measurement).
   Decodes always go first, so a burst of new prompts costs the running streams at most one
   `step_tokens` chunk of extra work per token (their inter-token latency stays bounded),
   while a long prompt is split over several steps instead of stalling everyone at once.
@@ -23,9 +25,12 @@ The rules, and why:
   At 256 a 16-prompt burst took five steps and its TTFT p99 was 1.24x llama-server's; at
   1024 it takes one or two, 0.92-0.96x (bench/runtime_bench.py; the full run of the default
   is in bench/results/runtime_bench.md).
-  Arrival order (not round-robin) for prompts, because it minimises the mean time to first
-  token and keeps the p99 the same: a burst's last prompt waits for all the prompt tokens
-  before it either way.
+  Prompts go in arrival order, each sequence's chunk capped at `chunk_tokens` (256): the
+  short prompts of a burst all fit the first step, while long ones share each step's budget
+  and reach their first tokens together (four RAG prompts of ~1,540 tokens: 256 each a step),
+  as llama-server's waves do, rather than the first streams decoding through the others'
+  prefill. The burst's last first token waits for all its prompt tokens either way; the cap
+  also costs less attention per token (contract/config.py has the measurement).
 * **Deterministic mode**: a request's greedy output must not depend on its neighbours. On
   CPU, llama.cpp's kernels change with the number of rows in a call (the engine probes the
   widest call that still matches single rows, `exact_rows`) and with how a prompt is cut.
@@ -45,7 +50,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from ember_runtime.contract.config import DEFAULT_STEP_TOKENS
+from ember_runtime.contract.config import DEFAULT_CHUNK_TOKENS, DEFAULT_STEP_TOKENS
 
 
 class Schedulable(Protocol):
@@ -92,11 +97,12 @@ class Call(Generic[S]):
 class Policy:
     deterministic: bool = False
     step_tokens: int = DEFAULT_STEP_TOKENS  # prompt tokens per step (fast); the chunk (determ.)
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # fast: one sequence's prompt tokens per step
     exact_rows: int = 1  # deterministic: the widest decode call, probed at load
 
     def __post_init__(self) -> None:
-        if self.step_tokens < 1 or self.exact_rows < 1:
-            raise ValueError("step_tokens and exact_rows must be at least 1")
+        if min(self.step_tokens, self.chunk_tokens, self.exact_rows) < 1:
+            raise ValueError("step_tokens, chunk_tokens and exact_rows must be at least 1")
 
 
 def admissible(running: int, waiting: int, max_batch: int, free_slots: int) -> int:
@@ -118,21 +124,33 @@ def split_active(running: Sequence[S], max_batch: int) -> tuple[list[S], list[S]
     return list(running[:max_batch]), list(running[max_batch:])
 
 
+def decoding(seq: Schedulable) -> bool:
+    """Whether the whole prompt is in: the sequence decodes a row a step (and may draft)."""
+    return seq.prefilled >= seq.prompt_len
+
+
 def plan_step(active: Sequence[S], policy: Policy) -> list[Call[S]]:
     """The `llama_decode` calls of one step over `active` (in arrival order)."""
-    decoding = [s for s in active if s.prefilled >= s.prompt_len]
-    prompting = [s for s in active if s.prefilled < s.prompt_len]
+    rows = [s for s in active if decoding(s)]
+    prompting = [s for s in active if not decoding(s)]
     if policy.deterministic:
-        return _deterministic(decoding, prompting, policy)
-    call: Call[S] = Call(decodes=decoding)
+        return _deterministic(rows, prompting, policy)
+    call: Call[S] = Call(decodes=rows)
     budget = policy.step_tokens
     for seq in prompting:
         if budget == 0:
             break
-        take = min(seq.prompt_len - seq.prefilled, budget)
+        take = min(_chunk(seq.prompt_len - seq.prefilled, policy.chunk_tokens), budget)
         call.chunks.append(Chunk(seq, seq.prefilled, take))
         budget -= take
     return [call] if call.rows else []
+
+
+def _chunk(left: int, cap: int) -> int:
+    """One sequence's prompt tokens this step: `cap`, or all that is left where that is at most
+    half a chunk more (a tail of a few tokens would cost a step of its own, a pass over the
+    weights for little: a 275-token summary prompt stays one chunk)."""
+    return left if left <= cap + cap // 2 else cap
 
 
 def _deterministic(decoding: list[S], prompting: list[S], policy: Policy) -> list[Call[S]]:

@@ -71,6 +71,7 @@ def build_engine(
         max_queue=config.server.max_queue,
         model_id=config.model_name,
         step_tokens=config.engine.step_tokens,
+        chunk_tokens=config.engine.chunk_tokens,
         deterministic=modes.deterministic,
         prefix_cache=modes.prefix_cache,
         repack=modes.repack,
