@@ -108,11 +108,11 @@ DEFAULT_STEP_TOKENS = 1024
 # Prompt tokens of one sequence per step (fast mode), inside the step's budget; a tail of up
 # to half a chunk more goes with the last chunk (engines/scheduler). Why a cap: one call of n
 # prompt tokens attends over every cell it reaches, the masked half included, so a 1,540-token
-# prompt cut at 1024 costs more attention than one cut at 256 (a trial on a lone RAG prompt:
-# 1.04x llama-server's time to the first token at 1024, 0.98x at 256). And a burst of long
-# prompts shares each step's budget, so they reach their first tokens together, as
-# llama-server's waves do, instead of the first streams decoding through the others'
-# prefill. The measurement: bench/results/prefill_chunk.md.
+# prompt cut at 1024 costs more attention than one cut at 256. The gain is small: a lone
+# prompt's first token against llama-server's, RAG 1.04x at 1024 and 1.02x at 256, code edit
+# 1.00x and 0.98x (bench/results/prefill_chunk.md; overlapping ranges, the same direction in
+# each of three runs). At 1 and 4 clients no change showed beyond the run-to-run spread
+# (bench/results/speculative-chunk-trial.md).
 DEFAULT_CHUNK_TOKENS = 256
 # A draft model's batch (engines/draft.py): the rows of one catch-up decode, sized into memory.
 DRAFT_BATCH_TOKENS = 512

@@ -27,10 +27,9 @@ The rules, and why:
   is in bench/results/runtime_bench.md).
   Prompts go in arrival order, each sequence's chunk capped at `chunk_tokens` (256): the
   short prompts of a burst all fit the first step, while long ones share each step's budget
-  and reach their first tokens together (four RAG prompts of ~1,540 tokens: 256 each a step),
-  as llama-server's waves do, rather than the first streams decoding through the others'
-  prefill. The burst's last first token waits for all its prompt tokens either way; the cap
-  also costs less attention per token (contract/config.py has the measurement).
+  (four RAG prompts of ~1,540 tokens: 256 each a step). The burst's last first token waits
+  for all its prompt tokens either way; the cap costs a little less attention per token
+  (contract/config.py has the measurement).
 * **Deterministic mode**: a request's greedy output must not depend on its neighbours. On
   CPU, llama.cpp's kernels change with the number of rows in a call (the engine probes the
   widest call that still matches single rows, `exact_rows`) and with how a prompt is cut.
