@@ -30,8 +30,8 @@ from ember_runtime.contract.config import DEFAULT_CHUNK_TOKENS
 from bench.machine import steal_seconds
 from bench.paired import median, spread
 from bench.runtime_bench import RESULTS, Server, cpu_lock, cpu_model, git_commit
-from bench.speculative_bench import CONTEXT, PROMPTS_OF, SLOTS, llama_server
-from tests.support.net import free_port
+from bench.speculative_bench import CONTEXT, PROMPTS_OF, SLOTS, ember_with, llama_server
+from tests.support.model import default_model_path
 
 SHAPES = ["code-edit", "rag", "summary"]
 PEER = "llama-server"
@@ -39,22 +39,8 @@ PEER = "llama-server"
 
 def ember(model: Path, threads: int, chunk: int) -> Server:
     """Ember at its defaults but for the chunk (speculation does not touch a 1-token reply)."""
-    port = free_port()
-    config = RESULTS / f"ember-bench-config-chunk-{chunk}.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "modelName": model.stem,
-                "modelDir": str(model.parent),
-                "engine": {"chunkTokens": chunk},
-            }
-        )
-    )
-    argv = [sys.executable, "-m", "ember_runtime.server", "--config", str(config)]
-    argv += ["--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--threads", str(threads), "--max-batch-size", str(SLOTS)]
-    argv += ["--context-length", str(CONTEXT), "--max-queue", "64", "--log-level", "warning"]
-    return Server(f"ember chunk {chunk}", argv, port)
+    engine = {"chunkTokens": chunk}
+    return ember_with(f"ember chunk {chunk}", model, threads, engine, f"chunk-{chunk}")
 
 
 def first_token_s(server: Server, prompt: str) -> tuple[float, int]:
@@ -71,9 +57,9 @@ def run(servers: list[Server], repeats: int, per_shape: int) -> list[dict[str, A
         with cpu_lock("/tmp/ember-cpu.lock"):
             for shape in SHAPES:
                 prompts = PROMPTS_OF[shape]
+                order = servers[rep % len(servers) :] + servers[: rep % len(servers)]
                 for i in range(per_shape):
                     prompt = f"Request c{rep}.{i}. {prompts[i % len(prompts)]}"
-                    order = servers[rep % len(servers) :] + servers[: rep % len(servers)]
                     for s in order:
                         seconds, tokens = first_token_s(s, prompt)
                         rows.append(
@@ -167,7 +153,7 @@ def main() -> None:
     parser.add_argument("--per-shape", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    model = Path.home() / ".cache/ember/models/gemma-3-270m-q4_k_m.gguf"
+    model = default_model_path()
     chunks = [int(c) for c in args.chunks.split(",")]
     servers = [ember(model, args.threads, c) for c in chunks]
     servers.append(llama_server(model, args.threads, None))
@@ -178,9 +164,7 @@ def main() -> None:
         rows = run(servers, args.repeats, args.per_shape)
     finally:
         for s in servers:
-            if s.proc is not None:
-                s.proc.terminate()
-                s.proc.wait()
+            s.stop()
     summary = {
         "chunks": args.chunks,
         "repeats": args.repeats,

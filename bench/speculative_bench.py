@@ -141,9 +141,15 @@ async def run_level(
 
 
 def ember(name: str, model: Path, threads: int, speculation: str) -> Server:
-    port = free_port()
-    config = RESULTS / f"ember-bench-config-speculation-{speculation}.yaml"
     engine = {"speculation": {"mode": speculation}}
+    return ember_with(name, model, threads, engine, f"speculation-{speculation}")
+
+
+def ember_with(name: str, model: Path, threads: int, engine: dict[str, Any], tag: str) -> Server:
+    """The runtime at its defaults but for `engine` (its runtime config's engine block), on
+    the bench's slots and context; `tag` names its config file."""
+    port = free_port()
+    config = RESULTS / f"ember-bench-config-{tag}.yaml"
     config.write_text(
         json.dumps({"modelName": model.stem, "modelDir": str(model.parent), "engine": engine})
     )
