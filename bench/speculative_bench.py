@@ -86,6 +86,23 @@ FILTERED = "temperature 0.8, top_p 0.95, top_k 40, min_p 0.05 (all sent)"
 SAMPLED_AS = {
     server: {**modes, "sampled-filtered": FILTERED} for server, modes in SAMPLED_WITH.items()
 }
+# `--ember-sampling llama-server`: Ember's deployment defaults (`spec.sampling`) set to
+# llama-server's, so the same body samples one distribution on both servers in every mode.
+LLAMA_DEFAULTS = {"temperature": 0.8, "topP": 0.95, "topK": 40, "minP": 0.05}
+EMBER_SAMPLING: dict[str, dict[str, float | int]] = {"openai": {}, "llama-server": LLAMA_DEFAULTS}
+SAMPLED_AS_CONFIGURED = {
+    "greedy": "temperature 0 (argmax)",
+    "sampled": "temperature 0.8, top_p 0.95 (sent), top_k 40, min_p 0.05 (spec.sampling)",
+    "client-defaults": "spec.sampling: temperature 0.8, top_p 0.95, top_k 40, min_p 0.05",
+    "sampled-filtered": FILTERED,
+}
+
+
+def sampled_as(server: str, mode: str, ember_sampling: str) -> str:
+    """What `server` samples in `mode`, given Ember's `--ember-sampling`."""
+    if server == "ember" and ember_sampling == "llama-server":
+        return SAMPLED_AS_CONFIGURED[mode]
+    return SAMPLED_AS[server][mode]
 
 
 @dataclass
@@ -140,19 +157,30 @@ async def run_level(
     return Row(**fields, decode_tok_s=statistics.median(decode) if decode else 0.0)
 
 
-def ember(name: str, model: Path, threads: int, speculation: str) -> Server:
+def ember(
+    name: str, model: Path, threads: int, speculation: str, sampling: str = "openai"
+) -> Server:
     engine = {"speculation": {"mode": speculation}}
-    return ember_with(name, model, threads, engine, f"speculation-{speculation}")
+    tag = f"speculation-{speculation}-{sampling}"
+    return ember_with(name, model, threads, engine, tag, sampling=EMBER_SAMPLING[sampling])
 
 
-def ember_with(name: str, model: Path, threads: int, engine: dict[str, Any], tag: str) -> Server:
-    """The runtime at its defaults but for `engine` (its runtime config's engine block), on
-    the bench's slots and context; `tag` names its config file."""
+def ember_with(
+    name: str,
+    model: Path,
+    threads: int,
+    engine: dict[str, Any],
+    tag: str,
+    *,
+    sampling: dict[str, float | int] | None = None,
+) -> Server:
+    """The runtime at its defaults but for `engine` (its runtime config's engine block) and
+    `sampling` (its deployment sampling defaults), on the bench's slots and context; `tag`
+    names its config file."""
     port = free_port()
     config = RESULTS / f"ember-bench-config-{tag}.yaml"
-    config.write_text(
-        json.dumps({"modelName": model.stem, "modelDir": str(model.parent), "engine": engine})
-    )
+    data = {"modelName": model.stem, "modelDir": str(model.parent), "engine": engine}
+    config.write_text(json.dumps({**data, "sampling": sampling or {}}))
     argv = [sys.executable, "-m", "ember_runtime.server", "--config", str(config)]
     argv += ["--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--threads", str(threads), "--max-batch-size", str(SLOTS)]
@@ -173,10 +201,12 @@ def llama_server(model: Path, threads: int, spec_type: str | None) -> Server:
     return Server(name, argv, port)
 
 
-def servers(model: Path, threads: int, peer_specs: list[str], ablation: bool) -> list[Server]:
-    off = [ember("ember (speculation off)", model, threads, "off")] if ablation else []
+def servers(
+    model: Path, threads: int, peer_specs: list[str], ablation: bool, sampling: str
+) -> list[Server]:
+    off = [ember("ember (speculation off)", model, threads, "off", sampling)] if ablation else []
     return [
-        ember("ember", model, threads, "auto"),
+        ember("ember", model, threads, "auto", sampling),
         *off,
         llama_server(model, threads, None),
         *(llama_server(model, threads, s) for s in peer_specs),
@@ -307,6 +337,7 @@ def table(rows: list[Row]) -> str:
 
 def report(summary: dict[str, Any]) -> str:
     rows = [Row(**r) for r in summary["results"]]
+    configured = summary.get("ember_sampling", "openai")
     raw = {int(k): sum(v) / len(v) for k, v in summary["raw_decode_around"].items() if v}
     b, a = summary["load_average"]["before"], summary["load_average"]["after"]
     return "\n".join(
@@ -324,7 +355,8 @@ def report(summary: dict[str, Any]) -> str:
             + ", ".join(f"{k} {v}" for k, v in MAX_TOKENS.items())
             + ". Sampling (the same body to every server): "
             + "; ".join(
-                f"{m}: Ember {SAMPLED_AS['ember'][m]}, llama-server {SAMPLED_AS['llama-server'][m]}"
+                f"{m}: Ember {sampled_as('ember', m, configured)}, llama-server "
+                f"{sampled_as('llama-server', m, configured)}"
                 for m in dict.fromkeys(r.workload.partition("/")[2] for r in rows)
             ),
             "",
@@ -384,6 +416,12 @@ def main() -> None:
     p.add_argument("--sampling", default=",".join(SAMPLING), help=f"of {', '.join(MODES)}")
     p.add_argument("--peer-spec", default=",".join(PEER_SPECS))
     p.add_argument("--ablation", action="store_true", help="also Ember with speculation off")
+    p.add_argument(
+        "--ember-sampling",
+        choices=sorted(EMBER_SAMPLING),
+        default="openai",
+        help="Ember's spec.sampling: none (OpenAI's defaults) or llama-server's defaults",
+    )
     p.add_argument("--lock", default="/tmp/ember-cpu.lock")
     p.add_argument("--name", default="speculative")
     p.add_argument("--replot", type=Path)
@@ -404,7 +442,7 @@ def main() -> None:
     stopped = ""
     try:
         specs = [s for s in args.peer_spec.split(",") if s]
-        for server in servers(model, args.threads, specs, args.ablation):
+        for server in servers(model, args.threads, specs, args.ablation, args.ember_sampling):
             server.start(RESULTS)
             started.append(server)
         step = 0
@@ -441,6 +479,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "threads": args.threads,
             "repeats": args.repeats,
+            "ember_sampling": args.ember_sampling,
             "raw_decode_around": bracket,
             "load_average": {"before": load_before, "after": os.getloadavg()},
             "cpu_stolen_s": steal_seconds() - steal_before,

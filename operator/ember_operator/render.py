@@ -29,6 +29,7 @@ from ember_runtime.contract.config import (
     EngineConfig,
     ModelFile,
     RuntimeConfig,
+    SamplingDefaults,
     SensorConfig,
     ServerConfig,
     SpeculationConfig,
@@ -208,7 +209,16 @@ def runtime_config(spec: InferenceDeploymentSpec, settings: OperatorSettings) ->
             report_condition=True,
         ),
         thermal=thermal_policy(spec),
+        sampling=sampling_defaults(spec),
     )
+
+
+def sampling_defaults(spec: InferenceDeploymentSpec) -> SamplingDefaults:
+    """`spec.sampling` as the runtime reads it (no defaults of its own when unset)."""
+    given = spec.sampling
+    if given is None:
+        return SamplingDefaults()
+    return SamplingDefaults.model_validate(given.model_dump(exclude_none=True))
 
 
 def speculation_config(spec: InferenceDeploymentSpec) -> SpeculationConfig:

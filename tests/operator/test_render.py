@@ -218,6 +218,24 @@ def test_the_task_rolls_the_replicas_and_its_default_rolls_none() -> None:
     assert _hash_of(_render(model={**model, "task": "embed", "pooling": "cls"})) != _hash_of(embed)
 
 
+def test_sampling_defaults_reach_the_runtime_config_and_unset_roll_nothing() -> None:
+    like_llama = {"temperature": 0.8, "topP": 0.95, "topK": 40, "minP": 0.05}
+    out = _render(sampling=like_llama)
+    config = RuntimeConfig.model_validate(yaml.safe_load(out["ConfigMap"]["data"]["config.yaml"]))
+    assert config.sampling.given() == {
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "top_k": 40,
+        "min_p": 0.05,
+    }
+    plain = _render()
+    assert _hash_of(out) != _hash_of(plain)  # the runtime reads them at start
+    # An operator upgrade that adds the field leaves existing replicas' hash as it was.
+    unset = RuntimeConfig.model_validate(yaml.safe_load(plain["ConfigMap"]["data"]["config.yaml"]))
+    assert "sampling" not in unset.restart_relevant_yaml()
+    assert _hash_of(_render(sampling={})) == _hash_of(plain)
+
+
 def test_gpu_layers_reach_the_runtime_config_and_sizing() -> None:
     out = _render(accelerator={"kind": "nvidia-gpu"}, engine={"gpuLayers": 20})
     data = out["ConfigMap"]["data"]

@@ -230,6 +230,19 @@ REJECT: list[tuple[str, Change, str]] = [
         "engine.draftModel requires engine.kind llamacpp, model.task generate and speculation on",
     ),
     (
+        "sampling-top-k-on-tensorrt",
+        spec(**{**TRT, "sampling": {"temperature": 0.7, "topK": 40}}),
+        "sampling.topK, minP and repeatPenalty require engine.kind llamacpp",
+    ),
+    (
+        "sampling-on-embed",
+        spec(model={**MODEL, "task": "embed"}, sampling={"temperature": 0.5}),
+        "sampling applies to model.task generate only",
+    ),
+    ("sampling-top-p-zero", spec(sampling={"topP": 0}), "spec.sampling.topP: Invalid value"),
+    ("sampling-hot", spec(sampling={"temperature": 2.5}), "spec.sampling.temperature"),
+    ("sampling-unknown-field", spec(sampling={"top_k": 40}), 'unknown field "spec.sampling.top_k"'),
+    (
         "deterministic-on-tensorrt",
         spec(**{**TRT, "engine": {"kind": "tensorrt-llm", "deterministic": True}}),
         "engine.deterministic only applies to the llamacpp engine",
@@ -422,6 +435,11 @@ ACCEPT: list[tuple[str, Change]] = [
     ("speculation-tuned", spec(engine={"speculation": {"maxDraft": 16, "ngramMax": 8}})),
     ("draft-model", spec(model=WITH_DRAFT, engine={"draftModel": "draft.gguf"})),
     ("scaling-bounds", spec(scaling={"minReplicas": 1, "maxReplicas": 4, "priority": -5})),
+    (
+        "sampling-like-llama-server",
+        spec(sampling={"temperature": 0.8, "topP": 0.95, "topK": 40, "minP": 0.05}),
+    ),
+    ("sampling-top-p-on-tensorrt", spec(**{**TRT, "sampling": {"temperature": 0, "topP": 1}})),
 ]
 
 

@@ -5,7 +5,8 @@
 
 Pydantic emits JSON Schema 2020-12; the API server wants a *structural* OpenAPI v3 subset:
 no `$ref`, no `title`, no `anyOf` with `null` (optional means "not in required"), no
-`additionalProperties: false` beside `properties`, and quantities as `x-kubernetes-int-or-string`.
+`additionalProperties: false` beside `properties`, exclusive bounds as OpenAPI v3's flags, and
+quantities as `x-kubernetes-int-or-string`.
 This module performs exactly those rewrites and nothing else, so what the models say is what the
 API server enforces.
 """
@@ -73,6 +74,9 @@ def _drop_null(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return {**_resolve(rest[0], defs), **siblings}
 
 
+_EXCLUSIVE = {"exclusiveMinimum": "minimum", "exclusiveMaximum": "maximum"}
+
+
 def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """Rewrite one pydantic JSON Schema node (recursively) into a structural CRD schema."""
     node = _drop_null(_resolve(node, defs), defs)
@@ -91,6 +95,9 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out[key] = value
         elif key == "anyOf":
             raise ValueError(f"unsupported anyOf in CRD schema: {value}")
+        elif key in _EXCLUSIVE:  # 2020-12's bound is a number, OpenAPI v3's a flag on it
+            out[_EXCLUSIVE[key]] = value
+            out[key] = True
         else:
             out[key] = value
     if "properties" in out:

@@ -21,7 +21,17 @@ import yaml
 REPO = Path(__file__).resolve().parents[3]
 CRD = REPO / "crds" / "ember.dev_inferencedeployments.yaml"
 OUT = REPO / "docs" / "crd-reference.md"
-BOUNDS = ("minimum", "maximum", "minLength", "maxLength", "maxItems", "pattern", "enum")
+BOUNDS = (
+    "minimum",
+    "exclusiveMinimum",
+    "maximum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "maxItems",
+    "pattern",
+    "enum",
+)
 
 
 def _type(schema: dict[str, Any]) -> str:

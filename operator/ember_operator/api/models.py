@@ -433,6 +433,38 @@ class EngineSpec(CrdModel):
     )
 
 
+class SamplingSpec(CrdModel):
+    """Defaults for the sampling fields a request leaves out; a field it sends always wins."""
+
+    temperature: float | None = Field(
+        default=None, ge=0.0, le=2.0, description="Default temperature (unset: 1, OpenAI's)."
+    )
+    top_p: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="Default top_p (unset: 1, nothing filtered).",
+    )
+    top_k: int | None = Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        description="llamacpp: default top_k (unset or 0: off; llama-server's is 40).",
+    )
+    min_p: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="llamacpp: default min_p (unset: 0, off; llama-server's is 0.05).",
+    )
+    repeat_penalty: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=10.0,
+        description="llamacpp: default repeat_penalty (unset: 1, off).",
+    )
+
+
 # ----------------------------------------------------------------------------- accelerator
 
 
@@ -891,6 +923,15 @@ _SPEC_RULES = rules(
         "on (not deterministic, speculation.mode not off)",
     ),
     cel(
+        "!has(self.sampling) || self.model.task == 'generate'",
+        "sampling applies to model.task generate only",
+    ),
+    cel(
+        "!has(self.sampling) || self.engine.kind == 'llamacpp' || (!has(self.sampling.topK) "
+        "&& !has(self.sampling.minP) && !has(self.sampling.repeatPenalty))",
+        "sampling.topK, minP and repeatPenalty require engine.kind llamacpp",
+    ),
+    cel(
         "!has(self.scaling) || !has(self.rollout)",
         "scaling and rollout cannot be combined: a rollout fixes each site's replicas",
     ),
@@ -953,6 +994,12 @@ class InferenceDeploymentSpec(CrdModel):
         default=None,
         description="Scale with demand, to zero if minReplicas is 0 (the site gateway drives "
         "spec.replicas through the scale subresource, within minReplicas..maxReplicas).",
+    )
+    sampling: SamplingSpec | None = Field(
+        default=None,
+        description="What a request's left-out sampling fields mean on this deployment, e.g. "
+        "llama-server's defaults (temperature 0.8, topP 0.95, topK 40, minP 0.05). Unset: "
+        "OpenAI's (temperature 1, nothing filtered).",
     )
 
     def desired_replicas(self) -> int:

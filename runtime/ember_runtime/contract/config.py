@@ -298,6 +298,29 @@ def _legacy_flag(args: dict[str, str], key: str, replacement: str) -> bool | Non
     return raw.strip().lower() == "true"
 
 
+class SamplingDefaults(Wire):
+    """What a request's left-out sampling fields mean on this deployment (`spec.sampling`).
+
+    Unset, a field keeps the server's default, OpenAI's (docs/sampling.md): temperature 1 with
+    nothing filtered. llama-server's defaults are temperature 0.8, topP 0.95, topK 40 and
+    minP 0.05; setting them here makes Ember sample the distribution a llama-server client gets
+    from the same body. A field the request sends always wins."""
+
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, description="0: off.")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+
+    def given(self) -> dict[str, float | int]:
+        """The fields set here, by their request names (snake_case, as OpenAI spells them)."""
+        return {name: value for name, value in self if value is not None}
+
+    def llamacpp_only(self) -> list[str]:
+        """The set fields only the llamacpp engine implements (the `sampling` feature)."""
+        return [n for n in ("top_k", "min_p", "repeat_penalty") if getattr(self, n) is not None]
+
+
 class ServerConfig(Wire):
     host: str = "0.0.0.0"  # noqa: S104 - a pod's server must listen on the pod IP
     port: int = Field(default=8080, ge=1, le=65535)
@@ -370,6 +393,7 @@ class RuntimeConfig(Wire):
     server: ServerConfig = Field(default_factory=ServerConfig)
     sensors: SensorConfig = Field(default_factory=SensorConfig)
     thermal: ThermalPolicy = Field(default_factory=ThermalPolicy)
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     termination_log: str = "/dev/termination-log"
 
     @model_validator(mode="after")
@@ -387,6 +411,16 @@ class RuntimeConfig(Wire):
             raise ValueError("engine.adapters requires the llamacpp engine and task generate")
         if any(a.name == self.model_name for a in adapters):
             raise ValueError("an adapter's name must differ from modelName (the base's id)")
+        return self
+
+    @model_validator(mode="after")
+    def _sampling_settings(self) -> Self:
+        given = self.sampling.given()
+        if given and self.task != "generate":
+            raise ValueError("sampling defaults require task generate")
+        only = self.sampling.llamacpp_only()
+        if only and self.engine.kind != "llamacpp":
+            raise ValueError(f"sampling {', '.join(only)} requires the llamacpp engine")
         return self
 
     @model_validator(mode="after")
@@ -442,8 +476,10 @@ class RuntimeConfig(Wire):
         return dump_yaml(data, sort_keys=False)
 
 
-_NEWER_FIELDS = ("model_layout", "model_wait_seconds", "task", "pooling")
-_DEFAULTS = {k: RuntimeConfig.model_fields[k].default for k in _NEWER_FIELDS}
+_NEWER_FIELDS = ("model_layout", "model_wait_seconds", "task", "pooling", "sampling")
+_DEFAULTS = {
+    k: RuntimeConfig.model_fields[k].get_default(call_default_factory=True) for k in _NEWER_FIELDS
+}
 
 
 def load_config(path: str | Path | None = None) -> RuntimeConfig:

@@ -253,6 +253,7 @@ def create_app(
         metrics=metrics,
         request_timeout=config.server.request_timeout_seconds,
         api_key=read_api_key(config),
+        sampling_defaults=config.sampling.given(),
     )
     # Smoothed (EWMA: fast attack, slow release) and NVML / npu-smi when configured; each read
     # also samples energy (RAPL and hwmon under the same sysfs root, the accelerators' power).

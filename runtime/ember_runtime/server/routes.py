@@ -263,6 +263,7 @@ def _sampling(
     logprobs: int | None = None,
     grammar: str | None = None,
 ) -> SamplingParams:
+    body = with_defaults(body, state.sampling_defaults)
     adapter = _adapter(body, state)  # a refused adapter's 404 before anything is counted
     context = state.engine.info.context_length
     room = context - len(tokens)
@@ -297,6 +298,15 @@ def _sampling(
         adapter=adapter,
         **extras,
     )
+
+
+def with_defaults(
+    body: CompletionRequest | ChatCompletionRequest, defaults: dict[str, float | int]
+) -> CompletionRequest | ChatCompletionRequest:
+    """`body` with the deployment's sampling defaults (`spec.sampling`) in the fields it left
+    out; a field the client sent, even at the server's default value, is the client's."""
+    missing = {k: v for k, v in defaults.items() if k not in body.model_fields_set}
+    return body.model_copy(update=missing) if missing else body
 
 
 # llama-server's sampling fields and the values at which they change nothing.

@@ -24,6 +24,8 @@ class AppState:
     draining: bool = False
     temperatures: dict[str, float] = field(default_factory=dict)
     governor: Governor | None = None
+    # `spec.sampling`: what a request's left-out sampling fields mean here (request names).
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     started: int = field(default_factory=lambda: int(time.time()))
 
 
