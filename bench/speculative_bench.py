@@ -363,7 +363,10 @@ def report(summary: dict[str, Any]) -> str:
             table(rows),
             "",
             "Raw single-stream llama_decode around Ember's one-client chat level, per repeat: "
-            + "; ".join(f"{k}: {v:.1f} tok/s" for k, v in sorted(raw.items())),
+            + (
+                "; ".join(f"{k}: {v:.1f} tok/s" for k, v in sorted(raw.items()))
+                or "not measured (it brackets chat/greedy at 1 client, not in this run)"
+            ),
             "",
             *(f"- {n}" for n in verdicts(rows, raw)),
         ]
