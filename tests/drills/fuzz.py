@@ -68,7 +68,14 @@ def _scalar(node: dict[str, Any]) -> st.SearchStrategy[Any]:
         return st.integers(node.get("minimum", -(2**31)), node.get("maximum", 2**31))
     if node.get("type") == "number":
         low, high = node.get("minimum", -1e6), node.get("maximum", 1e6)
-        return st.floats(low, high, allow_nan=False, allow_infinity=False)
+        return st.floats(
+            low,
+            high,
+            exclude_min=node.get("exclusiveMinimum", False),
+            exclude_max=node.get("exclusiveMaximum", False),
+            allow_nan=False,
+            allow_infinity=False,
+        )
     if node.get("type") == "boolean":
         return st.booleans()
     low, high = node.get("minLength", 0), min(node.get("maxLength", 24), 24)
@@ -203,6 +210,8 @@ def _wrong_type(node: dict[str, Any]) -> Any:
 
 
 def _out_of_range(node: dict[str, Any]) -> Any:
+    if node.get("exclusiveMinimum"):
+        return node["minimum"]  # the bound itself: the one value a plain minimum would allow
     if "maximum" in node:
         return node["maximum"] + 1
     if "minimum" in node:
