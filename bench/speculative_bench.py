@@ -157,9 +157,7 @@ async def run_level(
     return Row(**fields, decode_tok_s=statistics.median(decode) if decode else 0.0)
 
 
-def ember(
-    name: str, model: Path, threads: int, speculation: str, sampling: str = "openai"
-) -> Server:
+def ember(name: str, model: Path, threads: int, speculation: str, sampling: str) -> Server:
     engine = {"speculation": {"mode": speculation}}
     tag = f"speculation-{speculation}-{sampling}"
     return ember_with(name, model, threads, engine, tag, sampling=EMBER_SAMPLING[sampling])

@@ -50,6 +50,13 @@ def counts(server: LiveServer) -> tuple[int, int]:
     return report.requests, report.errors
 
 
+def assert_counts_reach(server: LiveServer, want: tuple[int, int]) -> None:
+    """The server counts a request once its response is sent, which may be just after the
+    client has read it: wait for the count, and then it must be exactly `want`."""
+    wait_for(f"{want[0]} counted requests", lambda: counts(server)[0] >= want[0], timeout=5)
+    assert counts(server) == want
+
+
 def test_finished_requests_count_with_their_ttft(live: LiveServer) -> None:
     before = counts(live)
     with httpx.Client(base_url=live.url, timeout=120) as http:
@@ -58,11 +65,7 @@ def test_finished_requests_count_with_their_ttft(live: LiveServer) -> None:
         assert streamed.status_code == 200 and "[DONE]" in streamed.text
         n2 = http.post("/v1/completions", json={**COMPLETION, "n": 2})  # one request, 2 choices
         assert n2.status_code == 200
-    # The server counts a request once its response is sent, which may be just after the
-    # client has read it: wait for the count, and then it must be exactly this.
-    want = (before[0] + 3, before[1])
-    wait_for("three finished requests", lambda: counts(live)[0] >= want[0], timeout=5)
-    assert counts(live) == want
+    assert_counts_reach(live, (before[0] + 3, before[1]))
     report = tracker_of(live).report()
     assert report.ttft_p99_ms is not None and not report.throttled
     assert report.reason == "Serving"
@@ -94,10 +97,7 @@ def test_timeouts_are_server_errors_streamed_or_not(live: LiveServer) -> None:
             assert streamed.status_code == 200 and '"code": "timeout"' in streamed.text
     finally:
         live.state.request_timeout = timeout
-    # As above: the streamed error counts once its stream is sent, maybe after the client read it.
-    want = (before[0] + 2, before[1] + 2)
-    wait_for("two timed-out requests", lambda: counts(live)[0] >= want[0], timeout=5)
-    assert counts(live) == want
+    assert_counts_reach(live, (before[0] + 2, before[1] + 2))
     assert tracker_of(live).report().reason == "ServerErrors"
 
 
